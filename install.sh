@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# Everything a fresh Debian/Ubuntu machine with Python >= 3.10 needs, in one command:
+# a virtual environment in .venv, torch (the CPU build unless a GPU is present), the kit with its dev tools,
+# a Jupyter kernel named "marin-study", and the data placeholder that data.dvc tracks.
+set -euo pipefail
+cd "$(dirname "$0")"
+
+python=${PYTHON:-$(command -v python3.11 || command -v python3 || true)}
+if [ -z "$python" ] || ! "$python" -c 'import sys; sys.exit(sys.version_info < (3, 10))'; then
+  echo "install.sh: needs Python >= 3.10 (found: ${python:-none}). Install python3.11 and python3.11-venv, or set PYTHON=/path/to/python." >&2
+  exit 1
+fi
+if [ ! -x .venv/bin/python ]; then
+  "$python" -m venv .venv || { echo "install.sh: '$python -m venv' failed; on Debian/Ubuntu: apt-get install python3-venv" >&2; exit 1; }
+fi
+pip() { .venv/bin/python -m pip --quiet "$@"; }
+
+# torch first: the package only asks for torch>=2.9, which on PyPI means a multi-GB CUDA build.
+if ! .venv/bin/python -c 'import torch' 2>/dev/null; then
+  if command -v nvidia-smi >/dev/null 2>&1; then
+    pip install 'torch>=2.9'
+  else
+    # A CPU wheel already on disk (pip's find-links) wins; otherwise PyTorch's CPU index.
+    pip install --no-index 'torch==2.13.0+cpu' 2>/dev/null \
+      || pip install 'torch==2.13.0+cpu' --extra-index-url https://download.pytorch.org/whl/cpu
+  fi
+fi
+
+pip install -e '.[dev]'
+.venv/bin/python -m ipykernel install --sys-prefix --name marin-study --display-name 'Python (marin-study)' >/dev/null
+
+# data.dvc tracks this placeholder until `marin-study data collect` builds the real corpus.
+mkdir -p data
+printf '%s\n' 'The raw corpus goes here. It is built on your machine, never committed; data.dvc tracks it.' > data/README.md
+DVC_NO_ANALYTICS=1 .venv/bin/dvc commit -q data.dvc < /dev/null \
+  || { echo "install.sh: data/ differs from the hash in data.dvc: run 'dvc status data.dvc' to see how" >&2; exit 1; }
+
+echo "install.sh: done. Activate with: . .venv/bin/activate"

@@ -1,0 +1,38 @@
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+BIN = Path(sys.executable).parent  # the environment's scripts: marin-study, dvc, nbdev_*
+
+
+def run(cmd, cwd=ROOT, check=True, **kw):
+    "Run a command with the environment's scripts first on PATH; return the CompletedProcess."
+    env = {**os.environ, "PATH": f"{BIN}{os.pathsep}{os.environ['PATH']}", "DVC_NO_ANALYTICS": "1", **kw.pop("env", {})}
+    result = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, **kw)
+    if check and result.returncode:
+        raise AssertionError(f"{cmd} exited {result.returncode}\n--- stdout\n{result.stdout[-4000:]}\n--- stderr\n{result.stderr[-4000:]}")
+    return result
+
+
+@pytest.fixture
+def project_copy(tmp_path):
+    "The project's files as git sees them (tracked and new, not ignored) in a fresh git repository."
+    files = run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"]).stdout.split("\0")
+    dest = tmp_path / "project"
+    for name in filter(None, files):
+        if (ROOT / name).is_file():
+            (dest / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(ROOT / name, dest / name)
+    if (ROOT / "data").is_dir():  # built by install.sh, tracked by data.dvc, ignored by git
+        shutil.copytree(ROOT / "data", dest / "data")
+    run(["git", "init", "-q", "-b", "main"], cwd=dest)
+    run(["git", "-c", "user.name=ci", "-c", "user.email=ci@localhost", "add", "-A"], cwd=dest)
+    run(["git", "-c", "user.name=ci", "-c", "user.email=ci@localhost", "commit", "-qm", "copy"], cwd=dest)
+    if (dest / "data").is_dir():
+        run(["dvc", "commit", "-q", "data.dvc"], cwd=dest)
+    return dest
