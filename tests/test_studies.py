@@ -1,0 +1,64 @@
+"Study notebooks under papermill, the offline HTML reports, and the DVC pipeline on a fresh copy of the project."
+import csv
+
+import nbformat
+import pytest
+
+from conftest import ROOT, run
+from marin_study.config import load_params
+from marin_study.studies import StudyError, remote_references, run_study, study_parameters
+
+
+def test_remote_references_are_detected():
+    assert remote_references('<script src="https://cdn.example/x.js"></script><link rel="stylesheet" href="//cdn/x.css">')
+    assert not remote_references('<img src="data:image/png;base64,AAAA"><a href="https://example.org">link</a>')
+
+
+def test_a_notebook_without_parameters_cell_is_refused(tmp_path):
+    nbformat.write(nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell("x = 1")]), tmp_path / "s.ipynb")
+    with pytest.raises(StudyError, match="no cell is tagged 'parameters'"):
+        run_study(tmp_path / "s.ipynb", tmp_path / "out.ipynb")
+    assert not (tmp_path / "out.ipynb").exists()
+
+
+def test_a_failing_study_keeps_the_previous_output_and_saves_the_failed_run(tmp_path):
+    cells = [nbformat.v4.new_code_cell("fail = False", metadata={"tags": ["parameters"]}),
+             nbformat.v4.new_code_cell("assert not fail, 'planted failure'\nprint('ok')")]
+    nbformat.write(nbformat.v4.new_notebook(cells=cells), tmp_path / "s.ipynb")
+    out = tmp_path / "runs/s.ipynb"
+    run_study(tmp_path / "s.ipynb", out, {"fail": False})
+    before = out.read_bytes()
+    with pytest.raises(StudyError, match="planted failure"):
+        run_study(tmp_path / "s.ipynb", out, {"fail": True})
+    assert out.read_bytes() == before
+    assert "planted failure" in (tmp_path / "runs/s.failed.ipynb").read_text()
+    with pytest.raises(StudyError, match="unknown parameter"):
+        run_study(tmp_path / "s.ipynb", out, {"fial": True})
+
+
+def test_ladder_study_declares_its_parameters():
+    assert set(study_parameters(ROOT / "nbs/studies/ladder.ipynb")) == {"params_glob", "table_csv"}
+
+
+def test_dvc_repro_runs_the_ladder_on_a_fresh_copy(project_copy):
+    result = run(["dvc", "repro"], cwd=project_copy)
+    assert "Running stage 'ladder'" in result.stdout
+    html = (project_copy / "reports/ladder.html").read_text()
+    assert not remote_references(html) and html.count("data:image/png;base64,") >= 2
+    assert "def " not in html and "import " not in html  # code cells are left out
+    rows = {r["preset"]: r for r in csv.DictReader(open(project_copy / "reports/ladder.csv"))}
+    assert set(rows) == {"tiny", "small", "node", "marin-535b-a23b"}
+    assert int(rows["marin-535b-a23b"]["total_params"]) == 535_305_984_000
+    for name in rows: assert name in html
+    assert "Running stage" not in run(["dvc", "repro"], cwd=project_copy).stdout  # nothing changed, nothing reruns
+    status = run(["dvc", "status"], cwd=project_copy).stdout
+    assert "changed" not in status, status
+
+
+def test_changing_a_preset_reruns_the_ladder(project_copy):
+    run(["dvc", "repro"], cwd=project_copy)
+    tiny = project_copy / "params/tiny.yaml"
+    tiny.write_text(tiny.read_text().replace("steps: 300", "steps: 600"))
+    assert "Running stage 'ladder'" in run(["dvc", "repro"], cwd=project_copy).stdout
+    rows = {r["preset"]: r for r in csv.DictReader(open(project_copy / "reports/ladder.csv"))}
+    assert int(rows["tiny"]["tokens"]) == load_params(tiny).train.tokens == 600 * 16 * 256
