@@ -20,8 +20,8 @@ if ! .venv/bin/python -c 'import torch' 2>/dev/null; then
   if command -v nvidia-smi >/dev/null 2>&1; then
     pip install 'torch>=2.9'
   else
-    # A CPU wheel already on disk (pip's find-links) wins; otherwise PyTorch's CPU index.
-    pip install --no-index 'torch==2.13.0+cpu' 2>/dev/null \
+    # The CPU build from the configured indexes or find-links (a wheel on disk) if one has it; else PyTorch's CPU index.
+    pip install 'torch==2.13.0+cpu' 2>/dev/null \
       || pip install 'torch==2.13.0+cpu' --extra-index-url https://download.pytorch.org/whl/cpu
   fi
 fi
