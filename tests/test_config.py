@@ -89,7 +89,7 @@ def test_unknown_section_and_override_key_suggest():
     ("parallel.ep=5", "parallel.ep", "does not divide model.n_experts (32)"),
     ("parallel.zero_stage=4", "parallel.zero_stage", "out of range"),
     ("train.lr=0", "train.lr", "out of range"),
-    ("data.mixture={a: 0, b: 0}", "data.mixture", "all weights are zero"),
+    ("data.mixture={a: 0, b: 0}", "data.mixture", "has no positive weight"),
     ("data.mixture.web=-1", "data.mixture.web", "is negative"),
     ("launch.time=2 days", "launch.time", "not a Slurm time limit"),
     ("launch.gpus_per_node=8", "launch.procs_per_node", "one process per GPU"),
