@@ -36,3 +36,22 @@ def project_copy(tmp_path):
     if (dest / "data").is_dir():
         run(["dvc", "commit", "-q", "data.dvc"], cwd=dest)
     return dest
+
+
+def small_corpus(dest: Path, per_source: int = 40) -> Path:
+    "A real but small raw corpus: the first documents of every source of the collected one (install.sh builds it)."
+    import json
+    source = ROOT / "data"
+    if not (source / "SOURCES.json").exists():
+        pytest.skip("no collected corpus in data/; run ./install.sh (or marin-study data collect)")
+    for path in sorted(source.glob("*/*.jsonl")):
+        lines = path.read_text(encoding="utf-8").splitlines()
+        keep = lines[:per_source]
+        if path.stem == "shakespeare-first-folio":  # keep Lear's First Folio twin for the near-duplicate check
+            keep = [l for l in lines if json.loads(l)["id"].endswith("lear_gut_f.txt")]
+        if path.stem == "shakespeare":
+            keep = lines[:3] + [l for l in lines if json.loads(l)["id"].endswith(("lear_gut.txt", "hamlet_gut.txt"))]
+        (dest / path.parent.name).mkdir(parents=True, exist_ok=True)
+        (dest / path.parent.name / path.name).write_text("\n".join(keep) + "\n", encoding="utf-8")
+    shutil.copy(source / "SOURCES.json", dest / "SOURCES.json")
+    return dest

@@ -1,0 +1,255 @@
+"The data pipeline on real text: cleaning, dedup, held-out split, tokenizer, shards, mixture and loader."
+import dataclasses
+import json
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import ROOT, run, small_corpus
+from marin_study.config import ConfigError, MixturePhase, load_params
+from marin_study.data.clean import clean_corpus, contamination, first_failed_filter, normalize, quality_stats
+from marin_study.data.corpus import DataError, read_jsonl
+from marin_study.data.tokens import (BLOCK, EOD, Feistel, Mixture, Shard, StepSampler, bytes_per_token, load_tokenizer,
+                                     make_loader, pack_split, token_dtype, train_tokenizer)
+
+PARAMS = load_params(ROOT / "params/tiny.yaml")
+
+
+@pytest.fixture(scope="session")
+def pipeline(tmp_path_factory):
+    "Raw -> clean -> tokenizer -> shards on a small real corpus, once per test session."
+    root = tmp_path_factory.mktemp("pipeline")
+    raw = small_corpus(root / "data")
+    data = dataclasses.replace(PARAMS.data, dir=str(raw), out_dir=str(root / "out"))
+    report = clean_corpus(raw, root / "out/clean", data)
+    tokenizer = train_tokenizer(root / "out/clean", 2048, root / "out/tokenizer.json")
+    for split in ("train", "heldout"):
+        pack_split(root / "out/clean", tokenizer, root / "out/shards", split, token_dtype(tokenizer.get_vocab_size()))
+    params = dataclasses.replace(PARAMS, data=data)
+    return {"root": root, "raw": raw, "report": report, "tokenizer": tokenizer, "params": params}
+
+
+def write(path: Path, data: bytes) -> Path:
+    path.write_bytes(data)
+    return path
+
+
+def test_bad_jsonl_is_a_clear_error_with_file_and_line(tmp_path):
+    good = json.dumps({"id": "a", "domain": "web", "source": "s", "license": "x", "group": "a", "text": "hi"}).encode()
+    cases = {
+        b"": "the file is empty",
+        good + b"\n{not json\n": ":2: not valid JSON",
+        good + b"\n" + good.replace(b"hi", b"\xff\xfe") + b"\n": ":2: invalid UTF-8",
+        b'{"id": "a", "text": "x"}\n': ":1: document lacks domain, source, license, group",
+    }
+    for number, (data, words) in enumerate(cases.items()):
+        path = write(tmp_path / f"f{number}.jsonl", data)
+        with pytest.raises(DataError, match=words) as info:
+            list(read_jsonl(path))
+        assert str(path) in str(info.value)
+
+
+def test_normalize_and_filters():
+    assert normalize("a\u0301\r\nb\x00c   \n\n\n\nd") == "\u00e1\nbc\n\nd"
+    stats = quality_stats("word " * 10)
+    assert stats["words"] == 10 and stats["dup_line_fraction"] == 0
+    limits = PARAMS.data.filters
+    assert first_failed_filter(quality_stats("# # # # # # code words here"), limits) == "max_symbol_ratio"
+    code_limits = {**limits, **PARAMS.data.filter_overrides["code"]}
+    code = "total = count  # running total\nvalue = other  # the value\nresult = total + value  # summed"
+    assert first_failed_filter(quality_stats(code), limits) == "max_symbol_ratio"
+    assert first_failed_filter(quality_stats(code), code_limits) is None
+    repeated = "\n".join(["the same line of text here"] * 20)
+    assert first_failed_filter(quality_stats(repeated), limits) == "max_dup_line_fraction"
+
+
+def test_clean_report_counts_every_document(pipeline):
+    raw = sum(1 for p in pipeline["raw"].glob("*/*.jsonl") for _ in read_jsonl(p))
+    report = pipeline["report"]
+    assert sum(c["raw_docs"] for c in report.values()) == raw
+    accounted = sum(v for c in report.values() for k, v in c.items() if k.endswith("_docs") and k != "raw_docs")
+    assert accounted == raw, "every document is kept, held out, filtered or deduplicated, exactly once"
+    assert all(c.get("heldout_docs", 0) > 0 for c in report.values()), "every domain has a held-out slice"
+
+
+def test_first_folio_twin_is_removed_as_a_near_duplicate(pipeline):
+    out = pipeline["root"] / "out/clean"
+    ids = {d["id"] for p in out.glob("*/*.jsonl") for d in read_jsonl(p)}
+    lear = {"shakespeare/lear_gut.txt", "shakespeare/lear_gut_f.txt"}
+    assert len(ids & lear) == 1, "exactly one of King Lear and its First Folio survives"
+    assert "shakespeare/hamlet_gut.txt" in ids
+    assert pipeline["report"]["books"]["dedup:near_docs"] >= 1
+
+
+def test_no_training_document_duplicates_a_heldout_one(pipeline):
+    cfg = pipeline["params"].data
+    assert contamination(pipeline["root"] / "out/clean", cfg) == []
+
+
+def test_contamination_check_finds_a_planted_leak(pipeline, tmp_path):
+    import shutil
+    leaky = tmp_path / "clean"
+    shutil.copytree(pipeline["root"] / "out/clean", leaky)
+    heldout = next(read_jsonl(next(leaky.glob("heldout/*.jsonl"))))
+    planted = {**heldout, "id": "planted", "text": heldout["text"] + " (lightly edited)"}
+    with open(leaky / "train/web.jsonl", "a") as f: f.write(json.dumps(planted) + "\n")
+    found = contamination(leaky, pipeline["params"].data)
+    assert ("near", "planted", heldout["id"]) in found
+
+
+def test_heldout_split_is_stable_and_by_group(pipeline):
+    out = pipeline["root"] / "out/clean"
+    train_groups = {d["group"] for p in out.glob("train/*.jsonl") for d in read_jsonl(p)}
+    held_groups = {d["group"] for p in out.glob("heldout/*.jsonl") for d in read_jsonl(p)}
+    assert not train_groups & held_groups
+    again = clean_corpus(pipeline["raw"], pipeline["root"] / "again", pipeline["params"].data)
+    assert again == pipeline["report"]
+    for split in ("train", "heldout"):
+        for path in out.glob(f"{split}/*.jsonl"):
+            assert (pipeline["root"] / "again" / split / path.name).read_bytes() == path.read_bytes()
+
+
+def test_tokenizer_round_trips_every_domain_and_reports_compression(pipeline):
+    tokenizer = pipeline["tokenizer"]
+    for path in (pipeline["root"] / "out/clean").glob("*/*.jsonl"):
+        for doc in read_jsonl(path):
+            assert tokenizer.decode(tokenizer.encode(doc["text"]).ids, skip_special_tokens=False) == doc["text"], doc["id"]
+    ratio = bytes_per_token(tokenizer, pipeline["root"] / "out/clean")
+    assert set(ratio) == {"books", "chat", "code", "docs", "math", "quotes", "web"}
+    assert all(1.5 < r < 6 for r in ratio.values()), ratio
+
+
+def test_shards_hold_each_document_then_the_end_token(pipeline):
+    tokenizer, folder = pipeline["tokenizer"], pipeline["root"] / "out/shards/train"
+    shard = Shard(folder, "web")
+    assert isinstance(shard.tokens, np.memmap) and shard.tokens.dtype == np.uint16
+    docs = list(read_jsonl(pipeline["root"] / "out/clean/train/web.jsonl"))
+    assert len(shard.offsets) == len(docs) + 1 and shard.offsets[-1] == len(shard)
+    for k in (0, len(docs) - 1):
+        ids = shard.document(k)
+        assert ids[-1] == tokenizer.token_to_id(EOD)
+        assert tokenizer.decode(ids[:-1].tolist()) == docs[k]["text"]
+    assert not list(folder.glob("*.tmp")) and not list(folder.glob(".*"))
+
+
+def test_token_dtype_refuses_a_vocab_that_does_not_fit():
+    assert token_dtype(8192) == np.uint16 and token_dtype(128256) == np.uint32
+    with pytest.raises(DataError, match="data.token_dtype: a vocabulary of 128,256 ids does not fit uint16"):
+        token_dtype(128256, "uint16")
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 7, 1000, 1025, 4096])
+def test_feistel_is_a_bijection(n):
+    perm = Feistel(n, "test")
+    assert sorted(perm(i) for i in range(n)) == list(range(n))
+    if n >= 1000:
+        assert [perm(i) for i in range(20)] != [Feistel(n, "other")(i) for i in range(20)]
+        assert [perm(i) for i in range(20)] != list(range(20))
+
+
+def mixture(pipeline, **data_changes):
+    p = pipeline["params"]
+    data = dataclasses.replace(p.data, **{"max_epochs": 1000.0, **data_changes})  # the small corpus repeats a lot
+    return Mixture(data, Path(data.out_dir) / "shards/train", 64, 16)
+
+
+def test_realised_mixture_matches_the_weights_within_one_percent(pipeline):
+    mix = mixture(pipeline)
+    window = 5 * BLOCK + 333
+    counts = Counter(mix.locate(i)[0] for i in range(10_000, 10_000 + window))
+    total = sum(PARAMS.data.mixture.values())
+    for domain, weight in PARAMS.data.mixture.items():
+        assert abs(counts[domain] / window - weight / total) < 0.01, domain
+
+
+def test_sample_is_a_pure_function_of_seed_mixture_and_index(pipeline):
+    a, b = mixture(pipeline), mixture(pipeline)
+    indices = [0, 1, 17, 1023, 1024, 5000, 12345]
+    assert [a.locate(i) for i in indices] == [b.locate(i) for i in reversed(indices)][::-1]
+    other = mixture(pipeline, seed=1)
+    assert [a.locate(i) for i in range(50)] != [other.locate(i) for i in range(50)]
+
+
+def test_an_epoch_of_a_domain_neither_repeats_nor_skips_a_window(pipeline):
+    mix = mixture(pipeline, mixture={"web": 1.0}, max_epochs=2)
+    n = mix.windows["web"]
+    starts = [mix.locate(i)[1] for i in range(n)]
+    assert sorted(starts) == [64 * j for j in range(n)]
+    assert sorted(mix.locate(i)[1] for i in range(n, 2 * n)) == sorted(starts)
+    with pytest.raises(DataError, match="past data.max_epochs"):
+        mix.locate(2 * n)
+
+
+def test_epoch_cap_names_the_domain(pipeline):
+    mix = mixture(pipeline, max_epochs=8.0)
+    with pytest.raises(DataError, match=r"domain '\w+' would be repeated .* more than data.max_epochs = 8"):
+        mix.check_epochs(10_000_000)
+
+
+def test_unknown_domain_in_the_mixture_is_named(pipeline):
+    with pytest.raises(DataError, match="no shard for domain 'poetry'"):
+        mixture(pipeline, mixture={"web": 1.0, "poetry": 1.0})
+
+
+def test_phases_switch_weights_and_carry_counts_over(pipeline):
+    phases = [MixturePhase(0, {"web": 1.0}), MixturePhase(10, {"web": 1.0, "code": 1.0})]
+    mix = mixture(pipeline, mixture=phases, max_epochs=100)
+    assert {mix.locate(i)[0] for i in range(160)} == {"web"}
+    later = Counter(mix.locate(i)[0] for i in range(160, 160 + 2 * BLOCK))
+    assert abs(later["code"] / (2 * BLOCK) - 0.5) < 0.01
+    web = [mix.locate(i)[1] for i in range(160 + 2 * BLOCK) if mix.locate(i)[0] == "web"]
+    n = mix.windows["web"]
+    assert len(set(web[:n])) == min(n, len(web)), "a phase change repeats no window of the running epoch"
+
+
+def test_loader_resumes_and_is_independent_of_world_size(pipeline):
+    params = dataclasses.replace(pipeline["params"], train=dataclasses.replace(PARAMS.train, steps=6, global_batch=8,
+                                                                              micro_batch=2))
+    full = torch.cat(list(make_loader(params)))
+    assert full.shape == (6 * 8, 257)
+    resumed = torch.cat(list(make_loader(params, start_step=3)))
+    assert torch.equal(resumed, full[3 * 8:])
+    ranks = [list(make_loader(params, rank=r, world_size=2)) for r in (0, 1)]
+    per_step = [torch.cat([torch.cat(ranks[0][2 * s:2 * s + 2]), torch.cat(ranks[1][2 * s:2 * s + 2])]) for s in range(6)]
+    assert torch.equal(torch.cat(per_step), full)
+    workers = torch.cat(list(make_loader(params, workers=2)))
+    assert torch.equal(workers, full)
+    assert list(StepSampler(8, 6, rank=1, world_size=2, start_step=5)) == [44, 45, 46, 47]
+
+
+def test_mixture_params_validate():
+    with pytest.raises(ConfigError, match="first phase must start at step 0"):
+        load_params(ROOT / "params/tiny.yaml", ["data.mixture=[{start_step: 5, weights: {web: 1}}]"])
+    with pytest.raises(ConfigError, match="has no positive weight"):
+        load_params(ROOT / "params/tiny.yaml", ["data.mixture=[{start_step: 0, weights: {web: 0}}]"])
+    p = load_params(ROOT / "params/tiny.yaml", ["data.mixture=[{start_step: 0, weights: {web: 1}}, {start_step: 9, weights: {code: 2}}]"])
+    assert p.data.phases[1] == MixturePhase(9, {"code": 2.0})
+
+
+def test_data_check_command(pipeline, tmp_path):
+    p = pipeline["params"]
+    out = run(["marin-study", "data", "check", str(ROOT / "params/tiny.yaml"), "--set", f"data.out_dir={p.data.out_dir}",
+               "--set", "train.steps=20", "--set", "data.max_epochs=1000"]).stdout
+    assert "micro-batch: (8, 257)" in out and "realised" in out and "samples/s" in out
+    for domain in PARAMS.data.mixture: assert f"[{domain}]" in out
+    bad = run(["marin-study", "data", "check", str(ROOT / "params/tiny.yaml"), "--set", f"data.out_dir={tmp_path}"], check=False)
+    assert bad.returncode == 2 and "run `marin-study data pack` first" in bad.stderr and "Traceback" not in bad.stderr
+
+
+def test_changing_one_data_parameter_reruns_only_what_depends_on_it(project_copy):
+    import shutil
+    shutil.rmtree(project_copy / "data")
+    small_corpus(project_copy / "data", per_source=15)
+    reran = lambda out: {line.split("'")[1] for line in out.splitlines() if line.startswith("Running stage")}
+    assert reran(run(["dvc", "repro", "pack"], cwd=project_copy).stdout) == {"clean", "tokenizer", "pack"}
+    tiny = project_copy / "params/tiny.yaml"
+    tiny.write_text(tiny.read_text().replace("lr: 3.0e-3", "lr: 1.0e-3"))
+    assert reran(run(["dvc", "repro", "pack"], cwd=project_copy).stdout) == set()
+    tiny.write_text(tiny.read_text().replace("vocab_size: 8192", "vocab_size: 4096"))
+    assert reran(run(["dvc", "repro", "pack"], cwd=project_copy).stdout) == {"tokenizer", "pack"}
+    tiny.write_text(tiny.read_text().replace("token_dtype: auto", "token_dtype: uint32"))
+    assert reran(run(["dvc", "repro", "pack"], cwd=project_copy).stdout) == {"pack"}
+    assert json.loads((project_copy / "runs/data/shards/train/meta.json").read_text())["dtype"] == "uint32"
