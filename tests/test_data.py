@@ -253,3 +253,11 @@ def test_changing_one_data_parameter_reruns_only_what_depends_on_it(project_copy
     tiny.write_text(tiny.read_text().replace("token_dtype: auto", "token_dtype: uint32"))
     assert reran(run(["dvc", "repro", "pack"], cwd=project_copy).stdout) == {"pack"}
     assert json.loads((project_copy / "runs/data/shards/train/meta.json").read_text())["dtype"] == "uint32"
+
+
+def test_data_benchmark_runs_and_prints_its_ratio(pipeline):
+    "Measured by hand (bench/data.py); here it only has to run end to end."
+    out = run(["python", "bench/data.py", "--repeats", "1", "--out-dir", pipeline["params"].data.out_dir,
+               "--set", "data.max_epochs=1000"]).stdout
+    assert "tokenize+pack" in out and "samples/s" in out and "documents/s" in out
+    assert out.strip().splitlines()[-1].startswith("ratio: ")
