@@ -228,4 +228,10 @@ d = { 'settings': { 'branch': 'main',
                                      'marin_study.studies.remote_references': ('studies.html#remote_references', 'marin_study/studies.py'),
                                      'marin_study.studies.render_html': ('studies.html#render_html', 'marin_study/studies.py'),
                                      'marin_study.studies.run_study': ('studies.html#run_study', 'marin_study/studies.py'),
-                                     'marin_study.studies.study_parameters': ('studies.html#study_parameters', 'marin_study/studies.py')}}}
+                                     'marin_study.studies.study_parameters': ('studies.html#study_parameters', 'marin_study/studies.py')},
+            'marin_study.trainer.schedule': { 'marin_study.trainer.schedule.lr_at': ( 'schedule.html#lr_at',
+                                                                                      'marin_study/trainer/schedule.py'),
+                                              'marin_study.trainer.schedule.make_scheduler': ( 'schedule.html#make_scheduler',
+                                                                                               'marin_study/trainer/schedule.py'),
+                                              'marin_study.trainer.schedule.warmup_steps': ( 'schedule.html#warmup_steps',
+                                                                                             'marin_study/trainer/schedule.py')}}}
