@@ -7,7 +7,7 @@ import pytest
 import yaml
 
 from conftest import ROOT
-from marin_study.config import (ConfigError, ModelConfig, Params, atomic_write, dump_params, load_params,
+from marin_study.config import (ConfigError, ModelConfig, Params, YamlLoader, atomic_write, dump_params, load_params,
                                 params_from_dict, save_params)
 
 PRESETS = sorted((ROOT / "params").glob("*.yaml"))
@@ -37,7 +37,7 @@ def test_presets_are_the_ladder():
 def test_every_preset_loads_validates_and_round_trips(path, tmp_path):
     params = load_params(path)
     assert load_params(save_params(params, tmp_path / "again.yaml")) == params
-    assert yaml.safe_load(dump_params(params)) == params.to_dict()
+    assert yaml.load(dump_params(params), Loader=YamlLoader) == params.to_dict()
 
 
 def test_exponent_floats_load_as_floats(tmp_path):
@@ -156,3 +156,27 @@ def test_atomic_write_replaces_whole_files_and_keeps_the_old_one_on_failure(tmp_
         atomic_write(target, 12345)  # fails half-way, after the temporary file exists
     assert target.read_text() == "second"
     assert [p.name for p in target.parent.iterdir()] == ["report.txt"]
+
+
+def test_yaml_12_core_schema_like_dvc(tmp_path):
+    text = (ROOT / "params/tiny.yaml").read_text().replace("  device: cpu", "  device: cpu\n  time: 12:00:00\n  partition: no\n  account: 1e5x")
+    params = load_params(write(tmp_path, text))
+    assert params.launch.time == "12:00:00" and params.launch.partition == "no"
+
+
+def test_strings_that_look_like_numbers_survive_a_dump(tmp_path):
+    params = load_params(ROOT / "params/tiny.yaml", ["launch.account='1e5'", "launch.env={NCCL_BUFFSIZE: '4e6', FLAG: 'null'}"])
+    assert params.launch.account == "1e5"
+    assert load_params(save_params(params, tmp_path / "p.yaml")) == params
+
+
+def test_bad_override_values_are_clear_errors():
+    err = error_of(load_params, ROOT / "params/tiny.yaml", ["train.lr=[1,", "train.lr=.inf", "train.steps=!!python/object:os.system x"])
+    text = str(err)
+    assert "train.lr: value '[1,' is not valid YAML" in text and "expected a finite number" in text
+    assert "train.steps: value '!!python/object:os.system x' is not valid YAML" in text
+
+
+def test_micro_batches_must_divide_each_ranks_share():
+    err = error_of(load_params, ROOT / "params/tiny.yaml", ["launch.procs_per_node=4"])
+    assert "16 sequences cannot be split into micro-batches of 8 on 4 data-parallel ranks" in str(err)

@@ -43,7 +43,7 @@ def test_bad_jsonl_is_a_clear_error_with_file_and_line(tmp_path):
         b"": "the file is empty",
         good + b"\n{not json\n": ":2: not valid JSON",
         good + b"\n" + good.replace(b"hi", b"\xff\xfe") + b"\n": ":2: invalid UTF-8",
-        b'{"id": "a", "text": "x"}\n': ":1: document lacks domain, source, license, group",
+        b"{\"id\": \"a\", \"text\": \"x\"}\n": ":1: document lacks domain, source, license",
     }
     for number, (data, words) in enumerate(cases.items()):
         path = write(tmp_path / f"f{number}.jsonl", data)
@@ -261,3 +261,53 @@ def test_data_benchmark_runs_and_prints_its_ratio(pipeline):
                "--set", "data.max_epochs=1000"]).stdout
     assert "tokenize+pack" in out and "samples/s" in out and "documents/s" in out
     assert out.strip().splitlines()[-1].startswith("ratio: ")
+
+
+def test_non_latin_documents_are_not_all_near_duplicates_of_each_other():
+    from marin_study.data.clean import minhash
+    cfg = PARAMS.data
+    russian = "Быстрая коричневая лиса перепрыгивает через ленивую собаку у реки каждое утро."
+    japanese = "素早い茶色の狐は毎朝川のそばで怠け者の犬を飛び越えます。"
+    greek = "Η γρήγορη καφέ αλεπού πηδά πάνω από το τεμπέλικο σκυλί κάθε πρωί."
+    sigs = [minhash(t, cfg) for t in (russian, japanese, greek)]
+    assert max(a.jaccard(b) for i, a in enumerate(sigs) for b in sigs[i + 1:]) < 0.2
+    assert minhash(russian.upper(), cfg).jaccard(sigs[0]) == 1.0
+
+
+def test_a_literal_end_token_inside_a_text_is_plain_text(pipeline):
+    tokenizer = pipeline["tokenizer"]
+    eod = tokenizer.token_to_id(EOD)
+    text = 'print("<|endoftext|>")'
+    ids = tokenizer.encode(text).ids
+    assert eod not in ids and tokenizer.decode(ids) == text
+
+
+def test_corrupt_or_mismatched_artefacts_are_clear_errors(pipeline, tmp_path):
+    import shutil
+    shards = tmp_path / "shards"
+    shutil.copytree(pipeline["root"] / "out/shards/train", shards)
+    with open(shards / "web.bin", "r+b") as f: f.truncate(1000)
+    with pytest.raises(DataError, match="web.bin: 1000 bytes where meta.json says"):
+        Shard(shards, "web")
+    (shards / "meta.json").write_text("{oops")
+    with pytest.raises(DataError, match="meta.json: not valid JSON"):
+        Shard(shards, "web")
+    (tmp_path / "tokenizer.json").write_text("{oops")
+    with pytest.raises(DataError, match="not a readable tokenizer"):
+        load_tokenizer(tmp_path / "tokenizer.json")
+    small_vocab = dataclasses.replace(pipeline["params"], model=dataclasses.replace(PARAMS.model, vocab_size=1000))
+    with pytest.raises(DataError, match="the shards use 2,048 token ids but model.vocab_size is 1,000"):
+        make_loader(small_vocab)
+
+
+def test_naming_one_filter_keeps_the_other_defaults():
+    from marin_study.data.clean import thresholds
+    cfg = load_params(ROOT / "params/small.yaml", ["data.filters.min_words=5"]).data
+    limits = thresholds(cfg, "web")
+    assert limits["min_words"] == 5 and limits["max_symbol_ratio"] == 0.1 and len(limits) == 9
+
+
+def test_documents_without_a_group_default_to_their_id(tmp_path):
+    path = tmp_path / "d.jsonl"
+    path.write_text(json.dumps({"id": "x", "domain": "web", "source": "s", "license": "l", "text": "t"}) + "\n")
+    assert next(read_jsonl(path))["group"] == "x"

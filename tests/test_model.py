@@ -176,7 +176,8 @@ def test_bias_update_sums_gradient_accumulation_micro_batches():
     loads = [moe(torch.randn(2, 16, TINY.hidden_size))[1].load_E for _ in range(3)]
     seen = moe.update_balance_bias()
     total = sum(loads).float()
-    torch.testing.assert_close(seen, total)
+    assert seen.dtype == torch.long
+    torch.testing.assert_close(seen.float(), total)
     torch.testing.assert_close(moe.balance_bias, TINY.balance_rate * torch.sign(total.mean() - total))
     assert moe.routed_since_update.sum() == 0
     moe.eval()
@@ -203,7 +204,7 @@ def test_bias_update_sums_counts_across_data_parallel_ranks():
     mp.spawn(_bias_worker, args=(port, out), nprocs=2)
     total = (out[0][0] + out[1][0]).float()
     for rank in (0, 1):
-        torch.testing.assert_close(out[rank][1], total)
+        torch.testing.assert_close(out[rank][1].float(), total)
         torch.testing.assert_close(out[rank][2], TINY.balance_rate * torch.sign(total.mean() - total))
 
 
@@ -263,8 +264,9 @@ def test_same_seed_same_result_bit_for_bit():
     for k in s1: assert torch.equal(s1[k], s2[k]), k
 
 
-def test_bf16_autocast_keeps_the_hot_path_in_bf16():
-    model = tiny_model()
+@pytest.mark.parametrize("latent_dim", [64, 0])
+def test_bf16_autocast_keeps_the_hot_path_in_bf16(latent_dim):
+    model = tiny_model(latent_dim=latent_dim)
     fp32_outputs = []
     def check(module, _, output):
         if isinstance(module, (RMSNorm, MoE)) or isinstance(output, tuple): return
@@ -337,3 +339,25 @@ def test_moe_benchmark_runs_and_prints_its_ratio():
     out = run(["python", "bench/moe_layer.py", "--rounds", "1", "--steps", "1", "--batch", "1", "--seq", "32"]).stdout
     assert out.strip().splitlines()[-1].startswith("ratio: ")
     assert "block fp32" in out and "model bf16" in out
+
+
+def test_balancing_state_stays_exact_when_the_model_is_cast_to_bf16():
+    model = tiny_model().to(torch.bfloat16).train()
+    moe = model.moe_layers()[0]
+    assert moe.balance_bias.dtype == torch.float32 and moe.routed_since_update.dtype == torch.long
+    model(tokens())
+    load = moe.update_balance_bias()
+    assert load.sum() == 2 * 64 * TINY.top_k
+    step = torch.tensor(TINY.balance_rate, dtype=torch.float32)
+    assert ((moe.balance_bias.abs() == 0) | (moe.balance_bias.abs() == step)).all()  # whole fp32 steps, not bf16 ones
+    assert (moe.balance_bias.abs() == step).any()
+
+
+@pytest.mark.parametrize("hidden, latent, ffn", [(100, 0, 30), (128, 36, 20)])
+def test_unaligned_expert_shapes_fall_back_to_the_loop(hidden, latent, ffn):
+    model = tiny_model(hidden_size=hidden, latent_dim=latent, expert_ffn=ffn, shared_ffn=ffn)
+    for autocast in (False, True):
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            out = model(tokens(), tokens(seed=3))
+        out.loss.backward()
+        assert torch.isfinite(out.loss)

@@ -37,7 +37,7 @@ def test_a_failing_study_keeps_the_previous_output_and_saves_the_failed_run(tmp_
 
 
 def test_ladder_study_declares_its_parameters():
-    assert set(study_parameters(ROOT / "nbs/studies/ladder.ipynb")) == {"params_glob", "table_csv"}
+    assert set(study_parameters(ROOT / "nbs/studies/ladder.ipynb")) == {"params_glob", "overrides", "table_csv"}
 
 
 def test_dvc_repro_runs_the_ladder_on_a_fresh_copy(project_copy):
@@ -62,3 +62,15 @@ def test_changing_a_preset_reruns_the_ladder(project_copy):
     assert "Running stage 'ladder'" in run(["dvc", "repro", "ladder"], cwd=project_copy).stdout
     rows = {r["preset"]: r for r in csv.DictReader(open(project_copy / "reports/ladder.csv"))}
     assert int(rows["tiny"]["tokens"]) == load_params(tiny).train.tokens == 600 * 16 * 256
+
+
+def test_folders_given_as_output_or_report_are_refused_up_front(tmp_path):
+    cells = [nbformat.v4.new_code_cell("n = 1", metadata={"tags": ["parameters"]})]
+    nbformat.write(nbformat.v4.new_notebook(cells=cells), tmp_path / "s.ipynb")
+    with pytest.raises(StudyError, match="--output is a folder"):
+        run_study(tmp_path / "s.ipynb", tmp_path)
+    with pytest.raises(StudyError, match="--report is a folder"):
+        run_study(tmp_path / "s.ipynb", tmp_path / "out.ipynb", report=tmp_path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["s.ipynb"]
+    bad = run(["marin-study", "study", "run", str(tmp_path / "s.ipynb"), "-o", str(tmp_path / "o.ipynb"), "-p", "n=[1,"], check=False)
+    assert bad.returncode == 2 and "not valid YAML" in bad.stderr and "Traceback" not in bad.stderr
