@@ -311,3 +311,22 @@ def test_documents_without_a_group_default_to_their_id(tmp_path):
     path = tmp_path / "d.jsonl"
     path.write_text(json.dumps({"id": "x", "domain": "web", "source": "s", "license": "l", "text": "t"}) + "\n")
     assert next(read_jsonl(path))["group"] == "x"
+
+
+def test_a_training_document_quoting_part_of_a_heldout_one_is_dropped(pipeline, tmp_path):
+    "Containment, not similarity: a third of a held-out entry has a low Jaccard but is all held-out text."
+    import shutil
+    from marin_study.data.clean import minhash
+    raw = tmp_path / "raw"
+    shutil.copytree(pipeline["raw"], raw)
+    entry = max(read_jsonl(raw / "heldout/devils-dictionary.jsonl"), key=lambda d: len(d["text"].split()))
+    words = entry["text"].split()
+    quote = " ".join(words[:len(words) // 3])
+    cfg = pipeline["params"].data
+    assert minhash(quote, cfg).jaccard(minhash(entry["text"], cfg)) < cfg.dedup_threshold
+    planted = {"id": "fortunes/planted", "domain": "quotes", "source": "fortunes", "license": "x", "group": "planted", "text": quote}
+    with open(raw / "train/fortunes.jsonl", "a") as f: f.write(json.dumps(planted) + "\n")
+    report = clean_corpus(raw, tmp_path / "clean", cfg)
+    kept = {d["id"] for p in (tmp_path / "clean").glob("*/*.jsonl") for d in read_jsonl(p)}
+    assert "fortunes/planted" not in kept and report["quotes"]["decontam:ngram_docs"] >= 1
+    assert contamination(tmp_path / "clean", cfg) == []
