@@ -248,6 +248,9 @@ def test_changing_one_data_parameter_reruns_only_what_depends_on_it(project_copy
     tiny = project_copy / "params/tiny.yaml"
     tiny.write_text(tiny.read_text().replace("lr: 3.0e-3", "lr: 1.0e-3"))
     assert reran(run(["dvc", "repro", "pack"], cwd=project_copy).stdout) == set()
+    tiny.write_text(tiny.read_text().replace("  split_seed: 0\n  seed: 0\n", "  split_seed: 0\n  seed: 5\n"))
+    assert load_params(tiny).data.seed == 5
+    assert reran(run(["dvc", "repro", "pack"], cwd=project_copy).stdout) == set(), "the shuffle seed is not a data stage's"
     tiny.write_text(tiny.read_text().replace("vocab_size: 8192", "vocab_size: 4096"))
     assert reran(run(["dvc", "repro", "pack"], cwd=project_copy).stdout) == {"tokenizer", "pack"}
     tiny.write_text(tiny.read_text().replace("token_dtype: auto", "token_dtype: uint32"))
