@@ -1,7 +1,6 @@
 import dataclasses
 import os
 import stat
-from pathlib import Path
 
 import pytest
 import yaml
