@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -14,6 +15,8 @@ from .accounting import flops_per_token, param_counts, train_compute
 from .config import ConfigError, Params, atomic_write, dump_params, load_params, parse_value
 from .data.corpus import DataError
 from .studies import StudyError, run_study
+from .trainer.optim import BadStepsError
+from .trainer.train import TrainError
 
 # %% auto #0
 __all__ = ['accounting_summary', 'parser', 'main']
@@ -94,6 +97,14 @@ def _data_check(args) -> None:
     from marin_study.data.tokens import data_check
     data_check(load_params(args.params, args.set))
 
+def _train(args) -> None:
+    from marin_study.trainer.train import train
+    records = train(load_params(args.params, args.set), args.run_dir, until=args.until)
+    if records and int(os.environ.get("RANK", 0)) == 0:
+        last = records[-1]
+        print(f"step {last['step']}: loss {last['loss']:.4f}" + (f", eval bpb {last['eval/bpb']:.4f}" if "eval/bpb" in last else "")
+              + f"; metrics in {Path(args.run_dir) / 'metrics.jsonl'}")
+
 def _study_run(args) -> None:
     out = run_study(args.notebook, args.output, _key_values(args.param), report=args.report, kernel=args.kernel)
     print(f"executed {out}" + (f", report {args.report}" if args.report else ""))
@@ -101,6 +112,7 @@ def _study_run(args) -> None:
 # %% ../nbs/90_cli.ipynb #3bae173b
 def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="marin-study", description="Study, validate and launch MoE pretraining.")
+    ap.add_argument("--local_rank", "--local-rank", type=int, help=argparse.SUPPRESS)  # the deepspeed launcher adds it
     sub = ap.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     params = sub.add_parser("params", help="inspect params files").add_subparsers(dest="action", required=True, metavar="ACTION")
@@ -122,6 +134,13 @@ def parser() -> argparse.ArgumentParser:
         cmd.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a key")
         cmd.set_defaults(run=fn)
 
+    train = sub.add_parser("train", help="train or resume a run (alone, or under torchrun, accelerate launch, deepspeed)")
+    train.add_argument("params", help="a params YAML file, e.g. params/tiny.yaml")
+    train.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a key, e.g. train.steps=50")
+    train.add_argument("--run-dir", required=True, help="checkpoints and metrics.jsonl go here; run again to resume")
+    train.add_argument("--until", type=int, help="stop (with a checkpoint) after this step, e.g. to split a run in legs")
+    train.set_defaults(run=_train)
+
     study = sub.add_parser("study", help="run study notebooks").add_subparsers(dest="action", required=True, metavar="ACTION")
     run = study.add_parser("run", help="execute a study notebook with papermill and render an HTML report")
     run.add_argument("notebook")
@@ -135,7 +154,7 @@ def parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     try: args.run(args)
-    except (ConfigError, StudyError, DataError) as e:
+    except (ConfigError, StudyError, DataError, TrainError, BadStepsError) as e:
         print(f"marin-study: error: {e}", file=sys.stderr)
         return 2
     return 0

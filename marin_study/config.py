@@ -316,6 +316,13 @@ class TrainConfig(Section):
     log_every: int = _f(1, ge=1)
     eval_every: int = _f(0, ge=0)                # 0 = only at the end
     checkpoint_every: int = _f(0, ge=0)          # 0 = only at the end
+    keep_checkpoints: int = _f(2, ge=1)          # rolling checkpoints kept
+    permanent_every: int = _f(0, ge=0)           # steps; checkpoints at multiples are never deleted (0 = none)
+    eval_samples: int = _f(32, ge=1)             # windows of seq_len per held-out domain
+    spike_window: int = _f(100, ge=2)            # bad-step guard: accepted steps in the rolling statistics
+    spike_sigmas: float = _f(6.0, gt=0)          # a loss or grad norm above mean + sigmas x std is a spike
+    max_bad_steps: int = _f(5, ge=1)             # this many bad steps in a row stop the run
+    tensorboard: bool = False                    # also write the metrics as TensorBoard events in RUN_DIR/tensorboard
 
     @property
     def tokens(self) -> int: return self.steps * self.global_batch * self.seq_len

@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -124,8 +124,7 @@ class PermuteRows(torch.autograd.Function):
         (inverse,) = ctx.saved_tensors
         return grad.index_select(0, inverse), None, None
 
-@dataclass
-class RouterStats:
+class RouterStats(NamedTuple):  # a NamedTuple: ZeRO-3 finds the tensors inside a module's output
     load_E: torch.Tensor          # tokens routed to each expert in this forward
     aux_loss: torch.Tensor | None
     z_loss: torch.Tensor | None
@@ -223,8 +222,7 @@ class CrossEntropyZLoss(torch.autograd.Function):
         return grad_NV.to(ctx.logits_dtype), None
 
 # %% ../nbs/02_model.ipynb #d3bcf8b2
-@dataclass
-class ModelOutput:
+class ModelOutput(NamedTuple):
     logits: torch.Tensor                       # (B, T, V)
     loss: torch.Tensor | None = None           # the training objective
     ce_loss: torch.Tensor | None = None
@@ -272,6 +270,11 @@ class Transformer(nn.Module):
 
     def moe_layers(self) -> list[MoE]:
         return [b.mlp for b in self.blocks if isinstance(b.mlp, MoE)]
+
+    def borrowed_parameters(self) -> list[tuple[nn.Module, nn.Parameter]]:
+        "(reader, weight) where a module uses a child's weight without calling the child: ZeRO-3 must gather it for the reader."
+        head = self.embed.weight if self.head is None else self.head.weight
+        return [(moe, moe.router.weight) for moe in self.moe_layers()] + [(self, head)]
 
     def update_balance_bias(self) -> torch.Tensor | None:
         "After each optimizer step: move every MoE layer's balancing bias; return the (layers, E) load it saw."

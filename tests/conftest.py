@@ -1,3 +1,4 @@
+import dataclasses
 import os
 import shutil
 import subprocess
@@ -13,6 +14,7 @@ BIN = Path(sys.executable).parent  # the environment's scripts: marin-study, dvc
 def run(cmd, cwd=ROOT, check=True, **kw):
     "Run a command with the environment's scripts first on PATH; return the CompletedProcess."
     env = {**os.environ, "PATH": f"{BIN}{os.pathsep}{os.environ['PATH']}", "DVC_NO_ANALYTICS": "1", **kw.pop("env", {})}
+    kw.setdefault("timeout", 1500)  # a hung process group fails the test instead of the whole CI run
     result = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, **kw)
     if check and result.returncode:
         raise AssertionError(f"{cmd} exited {result.returncode}\n--- stdout\n{result.stdout[-4000:]}\n--- stderr\n{result.stderr[-4000:]}")
@@ -55,3 +57,20 @@ def small_corpus(dest: Path, per_source: int = 40) -> Path:
         (dest / path.parent.name / path.name).write_text("\n".join(keep) + "\n", encoding="utf-8")
     shutil.copy(source / "SOURCES.json", dest / "SOURCES.json")
     return dest
+
+
+@pytest.fixture(scope="session")
+def pipeline(tmp_path_factory):
+    "Raw -> clean -> tokenizer -> shards on a small real corpus, once per test session."
+    from marin_study.config import load_params
+    from marin_study.data.clean import clean_corpus
+    from marin_study.data.tokens import pack_split, token_dtype, train_tokenizer
+    root = tmp_path_factory.mktemp("pipeline")
+    raw = small_corpus(root / "data")
+    data = dataclasses.replace(load_params(ROOT / "params/tiny.yaml").data, dir=str(raw), out_dir=str(root / "out"))
+    report = clean_corpus(raw, root / "out/clean", data)
+    tokenizer = train_tokenizer(root / "out/clean", 2048, root / "out/tokenizer.json")
+    for split in ("train", "heldout"):
+        pack_split(root / "out/clean", tokenizer, root / "out/shards", split, token_dtype(tokenizer.get_vocab_size()))
+    params = dataclasses.replace(load_params(ROOT / "params/tiny.yaml"), data=data)
+    return {"root": root, "raw": raw, "report": report, "tokenizer": tokenizer, "params": params}

@@ -18,20 +18,6 @@ from marin_study.data.tokens import (BLOCK, EOD, Feistel, Mixture, Shard, StepSa
 PARAMS = load_params(ROOT / "params/tiny.yaml")
 
 
-@pytest.fixture(scope="session")
-def pipeline(tmp_path_factory):
-    "Raw -> clean -> tokenizer -> shards on a small real corpus, once per test session."
-    root = tmp_path_factory.mktemp("pipeline")
-    raw = small_corpus(root / "data")
-    data = dataclasses.replace(PARAMS.data, dir=str(raw), out_dir=str(root / "out"))
-    report = clean_corpus(raw, root / "out/clean", data)
-    tokenizer = train_tokenizer(root / "out/clean", 2048, root / "out/tokenizer.json")
-    for split in ("train", "heldout"):
-        pack_split(root / "out/clean", tokenizer, root / "out/shards", split, token_dtype(tokenizer.get_vocab_size()))
-    params = dataclasses.replace(PARAMS, data=data)
-    return {"root": root, "raw": raw, "report": report, "tokenizer": tokenizer, "params": params}
-
-
 def write(path: Path, data: bytes) -> Path:
     path.write_bytes(data)
     return path

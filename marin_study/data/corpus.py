@@ -243,10 +243,10 @@ SOURCES = [
 ]
 
 # %% ../../nbs/03a_corpus.ipynb #e8558103
-def progress(iterable, **kw):
+def progress(iterable, disable: bool = False, **kw):
     "tqdm on a terminal; silent when piped, in CI logs or under papermill."
     from tqdm.auto import tqdm
-    return tqdm(iterable, disable=not sys.stderr.isatty(), **kw)
+    return tqdm(iterable, disable=disable or not sys.stderr.isatty(), **kw)
 
 def collect(dest: str | os.PathLike = "data", sources: list[Source] = SOURCES) -> dict:
     "Build the raw corpus in `dest`; return the attribution record also written to `dest/SOURCES.json`."

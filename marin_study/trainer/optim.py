@@ -6,10 +6,11 @@ from __future__ import annotations
 import math
 from collections import deque
 
+import torch
 import torch.nn as nn
 
 # %% auto #0
-__all__ = ['param_groups', 'BadStepsError', 'StepGuard']
+__all__ = ['param_groups', 'BadStepsError', 'StepGuard', 'GuardedAdamW']
 
 # %% ../../nbs/04c_optim.ipynb #e45c83b3
 def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
@@ -34,7 +35,7 @@ class StepGuard:
 
     def _spike(self, name: str, value: float) -> str | None:
         values = self.history[name]
-        if len(values) < max(self.warmup, 2): return None
+        if len(values) < max(min(self.warmup, values.maxlen), 2): return None
         mean = sum(values) / len(values)
         std = math.sqrt(sum((v - mean) ** 2 for v in values) / len(values))
         limit = mean + self.sigmas * max(std, 1e-8 * abs(mean))
@@ -64,3 +65,51 @@ class StepGuard:
     def load_state_dict(self, state: dict) -> None:
         for k, values in state["history"].items(): self.history[k].extend(values)
         self.bad_in_a_row, self.bad_total = state["bad_in_a_row"], state["bad_total"]
+
+# %% ../../nbs/04c_optim.ipynb #b575c254
+class GuardedAdamW(torch.optim.AdamW):
+    """AdamW that clips by the global gradient norm of the whole step and skips the update when `guard` rejects it.
+    DeepSpeed's ZeRO optimizers compute that norm over all ranks, then call `step` once per parameter group: point
+    `norm_source` at them. Without ZeRO every rank holds the full averaged gradients and the norm is taken here."""
+    def __init__(self, params, guard: StepGuard, grad_clip: float = 0.0, **kw):
+        super().__init__(params, **kw)
+        self.guard, self.grad_clip, self.norm_source = guard, grad_clip, None
+        self.loss, self.decision, self.stop = math.nan, None, None
+
+    def begin(self, loss: float) -> None:
+        "Before the step's last backward: the loss over all ranks that the guard will judge."
+        self.loss, self.decision = loss, None
+
+    def _decide(self) -> tuple[float, str | None]:
+        if self.decision is None:
+            if self.norm_source is not None: norm = float(self.norm_source._global_grad_norm)
+            else:
+                grads = [p.grad for g in self.param_groups for p in g["params"] if p.grad is not None]
+                norm = float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g, dtype=torch.float32) for g in grads])))
+            self.decision = (norm, self._judge(norm))
+        return self.decision
+
+    def _judge(self, norm: float) -> str | None:
+        try: return self.guard.check(self.loss, norm)
+        except BadStepsError as e:  # raised from `end`, once DeepSpeed has finished its step cleanly
+            self.stop = e
+            return str(e)
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        norm, reason = self._decide()
+        if reason is not None: return None
+        if self.grad_clip and norm > self.grad_clip:
+            for group in self.param_groups:
+                for p in group["params"]:
+                    if p.grad is not None: p.grad.mul_(self.grad_clip / (norm + 1e-6))
+        return super().step(closure)
+
+    def end(self) -> tuple[float, str | None]:
+        "After the step: (pre-clip gradient norm, why the update was skipped or None)."
+        if self.decision is None:  # DeepSpeed found a non-finite norm and skipped the step without calling us
+            self.decision = (math.inf, self._judge(math.inf))
+        if self.stop is not None:
+            stop, self.stop = self.stop, None
+            raise stop
+        return self.decision

@@ -29,5 +29,5 @@ def lr_at(step: int, cfg: TrainConfig) -> float:
     return floor + (peak - floor) * 0.5 * (1 + math.cos(math.pi * progress))
 
 def make_scheduler(optimizer: torch.optim.Optimizer, cfg: TrainConfig) -> torch.optim.lr_scheduler.LambdaLR:
-    "A PyTorch scheduler (its state goes into checkpoints) that scales every group's base LR by the schedule."
+    "The same schedule as a PyTorch scheduler, for plain loops (the trainer sets each step's LR from `lr_at` itself)."
     return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_at(step, cfg) / cfg.lr)

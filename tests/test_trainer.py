@@ -1,0 +1,266 @@
+"The trainer as researchers run it: real DeepSpeed processes on CPU, kills, signals, resumes and bad batches."
+import dataclasses
+import json
+import os
+import random
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from conftest import BIN, ROOT, run
+from marin_study.config import save_params
+from marin_study.trainer.checkpoint import Checkpoints, MetricsLog
+
+STEPS = 8
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def command(launcher: str, params: Path, run_dir: Path, *sets: str, procs: int = 2, until: int = 0) -> list[str]:
+    "`marin-study train` under one of the launchers a researcher uses."
+    train = ["train", str(params), "--run-dir", str(run_dir)] + [a for s in sets for a in ("--set", s)]
+    train += ["--until", str(until)] if until else []
+    port = str(free_port())
+    prefix = {"alone": [],
+              "torchrun": [BIN / "torchrun", "--nproc_per_node", str(procs), "--master_port", port, "--no-python"],
+              "accelerate": [BIN / "accelerate", "launch", "--use_deepspeed", "--num_processes", str(procs),
+                             "--main_process_port", port, "--no_python"],
+              "deepspeed": [BIN / "deepspeed", "--num_gpus", str(procs), "--master_port", port, "--no_python"]}[launcher]
+    return [str(a) for a in prefix] + [str(BIN / "marin-study")] + train
+
+
+def losses(run_dir: Path, key: str = "loss") -> list:
+    return [r[key] for r in MetricsLog(run_dir / "metrics.jsonl").read()]
+
+
+@pytest.fixture(scope="session")
+def params_file(pipeline, tmp_path_factory) -> Path:
+    "The tiny model on the small real corpus, cut down so a 2-process step takes a fraction of a second."
+    p = pipeline["params"]
+    p = dataclasses.replace(p, model=dataclasses.replace(p.model, sliding_window=32),
+                            data=dataclasses.replace(p.data, max_epochs=1000.0),
+                            train=dataclasses.replace(p.train, steps=STEPS, global_batch=8, micro_batch=2, seq_len=128,
+                                                      warmup_fraction=0.25, checkpoint_every=2, keep_checkpoints=10,
+                                                      eval_every=4, eval_samples=4, dtype="float32"))
+    return save_params(p, tmp_path_factory.mktemp("params") / "train.yaml")
+
+
+@pytest.fixture(scope="session")
+def reference(params_file, tmp_path_factory):
+    "Uninterrupted 2-process runs under torchrun, one per ZeRO stage, made once."
+    runs = {}
+    def get(zero: int) -> Path:
+        if zero not in runs:
+            runs[zero] = tmp_path_factory.mktemp(f"zero{zero}")
+            run(command("torchrun", params_file, runs[zero], f"parallel.zero_stage={zero}"))
+        return runs[zero]
+    return get
+
+
+def test_zero_stages_0_2_3_train_the_same_model_on_two_processes(reference, params_file, tmp_path):
+    zero0 = losses(reference(0))
+    assert [r["step"] for r in MetricsLog(reference(0) / "metrics.jsonl").read()] == list(range(1, STEPS + 1))
+    assert zero0[-1] < zero0[0] - 0.5  # it learns
+    assert losses(reference(2)) == pytest.approx(zero0, rel=1e-5)
+    zero3 = tmp_path / "zero3"
+    run(command("torchrun", params_file, zero3, "parallel.zero_stage=3", until=3))
+    assert losses(zero3) == pytest.approx(zero0[:3], rel=1e-5)
+    records = MetricsLog(reference(0) / "metrics.jsonl").read()
+    for key in ("step", "tokens", "loss", "lr", "grad_norm", "step_time", "data_time", "tokens_per_sec",
+                "moe/max_load", "moe/min_load", "moe/bias_norm", "aux_loss", "router_z_loss", "logit_z_loss", "bad_steps"):
+        assert key in records[0], key
+    evals = [r for r in records if "eval/bpb" in r]
+    assert [r["step"] for r in evals] == [4, 8]
+    domains = {k.split("/")[1] for k in evals[0] if k.startswith("eval/") and k.count("/") == 2}
+    assert len(domains) >= 5
+    assert evals[0]["eval/bpb"] == pytest.approx(sum(evals[0][f"eval/{d}/bpb"] for d in domains) / len(domains))
+    assert evals[1]["eval/bpb"] < evals[0]["eval/bpb"]
+
+
+@pytest.mark.parametrize("launcher", ["accelerate", "deepspeed"])
+def test_every_launcher_gives_identical_results(launcher, reference, params_file, tmp_path):
+    run(command(launcher, params_file, tmp_path / "run", until=4))
+    assert losses(tmp_path / "run") == losses(reference(0))[:4]
+
+
+def kill_during(cmd: list[str], run_dir: Path, after_step: int, checkpointed: bool = True) -> None:
+    "Start `cmd` and SIGKILL it and all its processes once `after_step` is in the metrics (and a checkpoint exists)."
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            env={**os.environ, "PATH": f"{BIN}{os.pathsep}{os.environ['PATH']}"})
+    deadline = time.time() + 300
+    def reached() -> bool:
+        return (run_dir / "metrics.jsonl").exists() and len(losses(run_dir)) >= after_step \
+            and (bool(Checkpoints(run_dir / "checkpoints").steps()) or not checkpointed)
+    while not reached():
+        assert proc.poll() is None and time.time() < deadline, "the run ended before it could be killed"
+        time.sleep(0.05)
+    family = [proc.pid] + [c.pid for c in psutil.Process(proc.pid).children(recursive=True)]
+    for pid in family:
+        try: os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError: pass
+    proc.wait()
+
+
+@pytest.mark.parametrize("zero", [0, 2])
+def test_sigkill_at_a_random_step_then_resume_is_bit_exact(zero, reference, params_file, tmp_path):
+    step = random.randint(2, STEPS - 1)
+    cmd = command("torchrun", params_file, tmp_path / "run", f"parallel.zero_stage={zero}")
+    kill_during(cmd, tmp_path / "run", step)
+    result = run(cmd)
+    assert "resumed from" in result.stderr, f"killed after step {step}: {result.stderr[-2000:]}"
+    check_same_run(tmp_path / "run", reference(zero), f"killed after step {step}")
+
+
+def test_sigkill_before_the_first_checkpoint_starts_over_without_duplicate_lines(reference, params_file, tmp_path):
+    cmd = command("torchrun", params_file, tmp_path / "run", "train.checkpoint_every=0")
+    kill_during(cmd, tmp_path / "run", 1, checkpointed=False)
+    assert not Checkpoints(tmp_path / "run/checkpoints").steps()
+    result = run(cmd)
+    assert "resumed from" not in result.stderr
+    check_same_run(tmp_path / "run", reference(0), "killed before the first checkpoint")
+
+
+def check_same_run(run_dir: Path, reference_dir: Path, context: str) -> None:
+    "Every step logged once, with the very losses, gradient norms and balancing biases of the reference run."
+    assert [r["step"] for r in MetricsLog(run_dir / "metrics.jsonl").read()] == list(range(1, STEPS + 1)), context
+    for key in ("loss", "grad_norm", "moe/bias_norm"):
+        assert losses(run_dir, key) == losses(reference_dir, key), f"{context}: {key}"
+
+
+def test_two_processes_resume_on_one_through_a_universal_checkpoint(reference, params_file, tmp_path):
+    run_dir = tmp_path / "run"
+    shutil.copytree(reference(2), run_dir)
+    for later in (4, 6, 8): shutil.rmtree(run_dir / f"checkpoints/step-{later:08d}")
+    result = run(command("alone", params_file, run_dir, "parallel.zero_stage=2"))
+    assert "universal checkpoint" in result.stderr and "resumed from" in result.stderr
+    assert [r["step"] for r in MetricsLog(run_dir / "metrics.jsonl").read()] == list(range(1, STEPS + 1))
+    # the data continues where it stopped: one process sees the very batches two did, so the losses agree closely
+    assert losses(run_dir)[2:] == pytest.approx(losses(reference(2))[2:], rel=1e-4)
+    # the balancing biases (buffers, which a universal checkpoint does not carry) come back too
+    assert losses(run_dir, "moe/bias_norm") == pytest.approx(losses(reference(2), "moe/bias_norm"), rel=1e-4)
+    assert json.loads((run_dir / "checkpoints/step-00000008/trainer.json").read_text())["world_size"] == 1
+
+
+def test_a_corrupt_checkpoint_is_reported_and_skipped_never_silently_replaced(reference, params_file, tmp_path):
+    run_dir = tmp_path / "run"
+    shutil.copytree(reference(0), run_dir)
+    newest = run_dir / "checkpoints/step-00000008/deepspeed/mp_rank_00_model_states.pt"
+    newest.write_bytes(newest.read_bytes()[:-10] + b"0123456789")
+    torn = Checkpoints(run_dir / "checkpoints").begin(10)  # a save that never finished
+    result = run(command("torchrun", params_file, run_dir, "train.steps=10"))
+    assert "step-00000008" in result.stderr and "sha256" in result.stderr and "resumed from" in result.stderr
+    assert "step-00000006" in result.stderr.split("resumed from")[1].splitlines()[0]
+    assert [r["step"] for r in MetricsLog(run_dir / "metrics.jsonl").read()] == list(range(1, 11))
+    assert not torn.exists()
+    for step in (2, 4, 6):
+        (run_dir / f"checkpoints/step-{step:08d}/trainer.json").write_text("torn")
+    for step in (8, 10):
+        shutil.rmtree(run_dir / f"checkpoints/step-{step:08d}/deepspeed")
+    result = run(command("alone", params_file, run_dir, "train.steps=10"), check=False)
+    assert result.returncode == 2 and "refusing to start over" in result.stderr
+
+
+def test_changed_params_are_refused_in_an_existing_run(reference, params_file, tmp_path):
+    run_dir = tmp_path / "run"
+    shutil.copytree(reference(0), run_dir)
+    result = run(command("alone", params_file, run_dir, "model.n_layers=2"), check=False)
+    assert result.returncode == 2 and "model.n_layers" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_sigusr1_on_one_rank_saves_and_exits_cleanly_then_resumes_exactly(reference, params_file, tmp_path):
+    run_dir = tmp_path / "run"
+    proc = subprocess.Popen(command("torchrun", params_file, run_dir), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env={**os.environ, "PATH": f"{BIN}{os.pathsep}{os.environ['PATH']}"})
+    deadline = time.time() + 300
+    while not (run_dir / "metrics.jsonl").exists() or not losses(run_dir):
+        assert proc.poll() is None and time.time() < deadline
+        time.sleep(0.05)
+    workers = [c for c in psutil.Process(proc.pid).children(recursive=True) if "marin-study" in " ".join(c.cmdline())]
+    os.kill(workers[-1].pid, signal.SIGUSR1)
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0, err[-3000:]
+    assert "received SIGUSR1" in err
+    stopped = Checkpoints(run_dir / "checkpoints").steps()[-1]
+    assert stopped < STEPS
+    run(command("torchrun", params_file, run_dir))
+    assert losses(run_dir) == losses(reference(0))
+
+
+def test_sigterm_alone_saves_and_exits_zero(params_file, tmp_path):
+    "One process in bf16 autocast with TensorBoard events, stopped by SIGTERM."
+    run_dir = tmp_path / "run"
+    proc = subprocess.Popen(command("alone", params_file, run_dir, "train.steps=200", "train.checkpoint_every=0",
+                                    "train.dtype=bfloat16", "train.tensorboard=true"),
+                            stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "PATH": f"{BIN}{os.pathsep}{os.environ['PATH']}"})
+    deadline = time.time() + 300
+    while not (run_dir / "metrics.jsonl").exists():
+        assert proc.poll() is None and time.time() < deadline
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0 and "received SIGTERM" in err, err[-3000:]
+    steps = Checkpoints(run_dir / "checkpoints").steps()
+    assert len(steps) == 1 and steps[0] == len(losses(run_dir)) < 200
+    assert 8.0 < losses(run_dir)[0] < 9.5  # bf16 autocast trains the same model: ln(8192) = 9.01 at the start
+    assert list((run_dir / "tensorboard").glob("events.out.tfevents.*"))
+
+
+POISON = """
+import sys, torch
+from marin_study.config import load_params
+from marin_study.trainer.optim import BadStepsError
+from marin_study.trainer.train import Trainer
+
+poisoned = {int(s) for s in sys.argv[3].split(",")}
+
+class Poisoned:
+    "The real loader, except that some steps get random ids the tokenizer never produces (corrupt data)."
+    def __init__(self, loader, trainer): self.loader, self.trainer = loader, trainer
+    def __iter__(self):
+        for batch in self.loader:
+            if self.trainer.step + 1 in poisoned:
+                batch = torch.randint(2048, 8192, batch.shape, generator=torch.Generator().manual_seed(self.trainer.step))
+            yield batch
+
+trainer = Trainer(load_params(sys.argv[1], sys.argv[4:]), sys.argv[2])
+trainer.loader = Poisoned(trainer.loader, trainer)
+try:
+    trainer.fit()
+except BadStepsError as e:
+    print(f"stopped: {e}")
+finally:
+    trainer.close()
+"""
+
+
+def test_poisoned_batches_are_skipped_counted_and_too_many_stop_the_run(params_file, tmp_path):
+    script = tmp_path / "poison.py"
+    script.write_text(POISON)
+    sets = ["train.steps=40", "train.spike_window=5", "train.max_bad_steps=3", "train.checkpoint_every=5",
+            "train.eval_every=0", "train.seq_len=64", "train.lr=1.0e-3"]
+    result = run([sys.executable, str(script), str(params_file), str(tmp_path / "run"), "21,22,25,26,27,28", *sets])
+    records = MetricsLog(tmp_path / "run/metrics.jsonl").read()
+    skipped = {r["step"]: r["skip_reason"] for r in records if r.get("skipped")}
+    assert set(skipped) == {21, 22, 25, 26}, skipped
+    assert all(why.startswith("loss ") for why in skipped.values())
+    assert records[22]["bad_steps"] == 2 and records[-1]["bad_steps"] == 4 and records[-1]["step"] == 26
+    assert "stopped: 3 bad steps in a row" in result.stdout  # at step 27
+    assert Checkpoints(tmp_path / "run/checkpoints").steps()[-1] == 25  # the last checkpoint stays
+
+
+def test_trainer_benchmark_runs_and_prints_its_ratio(params_file):
+    result = run([sys.executable, str(ROOT / "bench/trainer.py"), "--params", str(params_file), "--steps", "2",
+                  "--warmup", "1", "--rounds", "1"])
+    assert float(result.stdout.strip().splitlines()[-1].removeprefix("ratio: ")) > 0
