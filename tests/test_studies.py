@@ -1,5 +1,6 @@
 "Study notebooks under papermill, the offline HTML reports, and the DVC pipeline on a fresh copy of the project."
 import csv
+import json
 
 import nbformat
 import pytest
@@ -7,6 +8,7 @@ import pytest
 from conftest import ROOT, run
 from marin_study.config import load_params
 from marin_study.studies import StudyError, remote_references, run_study, study_parameters
+from marin_study.trainer.checkpoint import MetricsLog
 
 
 def test_remote_references_are_detected():
@@ -74,3 +76,24 @@ def test_folders_given_as_output_or_report_are_refused_up_front(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["s.ipynb"]
     bad = run(["marin-study", "study", "run", str(tmp_path / "s.ipynb"), "-o", str(tmp_path / "o.ipynb"), "-p", "n=[1,"], check=False)
     assert bad.returncode == 2 and "not valid YAML" in bad.stderr and "Traceback" not in bad.stderr
+
+
+def test_train_study_declares_its_parameters():
+    assert set(study_parameters(ROOT / "nbs/studies/train_tiny.ipynb")) == {
+        "params_path", "overrides", "runs_root", "procs", "summary_json", "loss_plot"}
+
+
+def test_dvc_repro_trains_the_tiny_study_and_a_second_repro_resumes_its_run(project_copy):
+    result = run(["dvc", "repro", "train"], cwd=project_copy)
+    assert "Running stage 'train'" in result.stdout
+    summary = json.loads((project_copy / "reports/train_tiny.json").read_text())
+    assert summary["steps"] == 300 and summary["train_loss_end"] < summary["train_loss_start"] - 2.0
+    html = (project_copy / "reports/train_tiny.html").read_text()
+    assert not remote_references(html) and html.count("data:image/png;base64,") >= 1
+    assert "resumed from" in html  # the second leg continued from the half-way checkpoint
+    assert (project_copy / "reports/train_tiny_loss.png").stat().st_size > 10_000
+    assert "eval_bpb" in run(["dvc", "metrics", "show"], cwd=project_copy).stdout
+    (runs,) = (project_copy / "runs/tiny/run").iterdir()
+    run(["dvc", "repro", "--force", "train"], cwd=project_copy)  # the persistent run is found, nothing retrains
+    assert len(MetricsLog(runs / "metrics.jsonl").read()) == 300
+    assert "Data and pipelines are up to date" in run(["dvc", "status", "train"], cwd=project_copy).stdout
