@@ -32,6 +32,10 @@ pip install -e '.[dev]'
 # The raw corpus: rebuilt from Debian and PyPI packages (downloads cached in ~/.cache/marin-study), checked against
 # the hash data.dvc pins. A different hash (other package versions, another Python patch release) is reported, not fatal.
 if [ "$(id -u)" = 0 ] && ! apt-cache show pari-doc >/dev/null 2>&1; then apt-get update -qq; fi  # Debian sources need package lists
+# Headless Chromium checks that the HTML reports render offline (tests); installed where this script may use apt.
+if [ "$(id -u)" = 0 ] && ! command -v chromium >/dev/null; then
+  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null || echo "install.sh: note: chromium not installed; the report screenshot test will be skipped" >&2
+fi
 .venv/bin/marin-study data collect --dest data
 if ! DVC_NO_ANALYTICS=1 .venv/bin/dvc commit -q data.dvc < /dev/null 2>/dev/null; then
   echo "install.sh: note: the corpus built here differs from the one data.dvc pins (package versions differ);" \

@@ -1,11 +1,16 @@
 "Study notebooks under papermill, the offline HTML reports, and the DVC pipeline on a fresh copy of the project."
 import csv
 import json
+import shutil
+from pathlib import Path
 
+import matplotlib.pyplot as plt
 import nbformat
+import numpy as np
 import pytest
 
 from conftest import ROOT, run
+from marin_study.analysis import KINDS
 from marin_study.config import load_params
 from marin_study.studies import StudyError, remote_references, run_study, study_parameters
 from marin_study.trainer.checkpoint import MetricsLog
@@ -80,12 +85,31 @@ def test_folders_given_as_output_or_report_are_refused_up_front(tmp_path):
 
 def test_train_study_declares_its_parameters():
     assert set(study_parameters(ROOT / "nbs/studies/train_tiny.ipynb")) == {
-        "params_path", "overrides", "runs_root", "procs", "summary_json", "loss_plot"}
+        "params_path", "overrides", "runs_root", "procs", "summary_json", "loss_plot", "metrics_copy", "curve_csv"}
 
 
-def test_dvc_repro_trains_the_tiny_study_and_a_second_repro_resumes_its_run(project_copy):
-    result = run(["dvc", "repro", "train"], cwd=project_copy)
-    assert "Running stage 'train'" in result.stdout
+def screenshot_and_text(html: Path, tmp_path: Path) -> tuple[np.ndarray, str]:
+    "Open a report in headless Chromium: the rendered page as pixels, and its text after layout."
+    browser = shutil.which("chromium") or shutil.which("chromium-browser")
+    if not browser: pytest.skip("no chromium here; install.sh installs it where apt is available (apt-get install chromium)")
+    flags = ["--headless", "--no-sandbox", "--disable-gpu", "--hide-scrollbars", "--window-size=1280,2000"]
+    run([browser, *flags, f"--screenshot={tmp_path / 'shot.png'}", html.resolve().as_uri()])
+    dom = run([browser, *flags, "--dump-dom", html.resolve().as_uri()]).stdout
+    return plt.imread(tmp_path / "shot.png"), dom
+
+
+def test_dvc_repro_trains_the_tiny_study_reports_on_it_and_a_second_repro_resumes_its_run(project_copy, tmp_path):
+    result = run(["dvc", "repro", "report"], cwd=project_copy)
+    assert "Running stage 'train'" in result.stdout and "Running stage 'report'" in result.stdout
+    findings = json.loads((project_copy / "reports/loss_findings.json").read_text())["train_tiny"]
+    assert {f["kind"] for f in findings["findings"]} <= set(KINDS) and findings["errors"] == 0
+    report = project_copy / "reports/loss_report.html"
+    assert not remote_references(report.read_text())
+    pixels, dom = screenshot_and_text(report, tmp_path)
+    assert pixels[..., :3].std() > 0.05 and (pixels[..., :3] < 0.9).mean() > 0.02  # drawn, not a blank page
+    assert "Findings" in dom and "warning(s)" in dom and "schedule" in dom
+    run(["dvc", "plots", "show", "-o", str(tmp_path / "plots")], cwd=project_copy)
+    assert (tmp_path / "plots/index.html").exists()
     summary = json.loads((project_copy / "reports/train_tiny.json").read_text())
     assert summary["steps"] == 300 and summary["train_loss_end"] < summary["train_loss_start"] - 2.0
     html = (project_copy / "reports/train_tiny.html").read_text()
@@ -97,3 +121,8 @@ def test_dvc_repro_trains_the_tiny_study_and_a_second_repro_resumes_its_run(proj
     run(["dvc", "repro", "--force", "train"], cwd=project_copy)  # the persistent run is found, nothing retrains
     assert len(MetricsLog(runs / "metrics.jsonl").read()) == 300
     assert "Data and pipelines are up to date" in run(["dvc", "status", "train"], cwd=project_copy).stdout
+
+
+def test_loss_report_declares_its_parameters():
+    assert set(study_parameters(ROOT / "nbs/studies/loss_report.ipynb")) == {
+        "metrics", "reference", "params_path", "target_tokens", "findings_json"}
