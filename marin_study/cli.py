@@ -15,8 +15,6 @@ from .accounting import flops_per_token, param_counts, train_compute
 from .config import ConfigError, Params, atomic_write, dump_params, load_params, parse_value
 from .data.corpus import DataError
 from .studies import StudyError, run_study
-from .trainer.optim import BadStepsError
-from .trainer.train import TrainError
 
 # %% auto #0
 __all__ = ['accounting_summary', 'parser', 'main']
@@ -97,9 +95,15 @@ def _data_check(args) -> None:
     from marin_study.data.tokens import data_check
     data_check(load_params(args.params, args.set))
 
+def _fail(error: Exception) -> int:
+    print(f"marin-study: error: {error}", file=sys.stderr)
+    return 2
+
 def _train(args) -> None:
-    from marin_study.trainer.train import train
-    records = train(load_params(args.params, args.set), args.run_dir, until=args.until)
+    from marin_study.trainer.optim import BadStepsError  # imported here: torch would slow every other command
+    from marin_study.trainer.train import TrainError, train
+    try: records = train(load_params(args.params, args.set), args.run_dir, until=args.until)
+    except (TrainError, BadStepsError) as e: raise SystemExit(_fail(e)) from None
     if records and int(os.environ.get("RANK", 0)) == 0:
         last = records[-1]
         print(f"step {last['step']}: loss {last['loss']:.4f}" + (f", eval bpb {last['eval/bpb']:.4f}" if "eval/bpb" in last else "")
@@ -154,7 +158,5 @@ def parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     try: args.run(args)
-    except (ConfigError, StudyError, DataError, TrainError, BadStepsError) as e:
-        print(f"marin-study: error: {e}", file=sys.stderr)
-        return 2
+    except (ConfigError, StudyError, DataError) as e: return _fail(e)
     return 0
