@@ -14,6 +14,7 @@ import yaml
 from .accounting import flops_per_token, param_counts, train_compute
 from .config import ConfigError, Params, atomic_write, dump_params, load_params, parse_value
 from .data.corpus import DataError
+from .parallelism import PlanError
 from .studies import StudyError, run_study
 
 # %% auto #0
@@ -109,6 +110,25 @@ def _train(args) -> None:
         print(f"step {last['step']}: loss {last['loss']:.4f}" + (f", eval bpb {last['eval/bpb']:.4f}" if "eval/bpb" in last else "")
               + f"; metrics in {Path(args.run_dir) / 'metrics.jsonl'}")
 
+def _plan(args) -> None:
+    from marin_study.parallelism import plan, with_layout, write_launch_configs
+    p = load_params(args.params, args.set)
+    gpu = args.gpu or p.launch.device
+    gpus = args.gpus or p.launch.nodes * p.launch.gpus_per_node
+    if gpu == "cpu" or not gpus:
+        raise PlanError(f"{args.params}: launch runs on CPU; name a GPU and a count to plan for, e.g. --gpu h100 --gpus 64")
+    result = plan(p, gpu, gpus, mfu=args.mfu, precision=args.precision, accounting=args.accounting, tokens=args.tokens)
+    if args.write_configs:
+        if result.best is None: raise PlanError("no layout fits, so there are no configs to write")
+        written = write_launch_configs(with_layout(p, result.best.layout, result.device), args.write_configs)
+    if args.json: print(json.dumps(result.to_json(), indent=1))
+    else:
+        print(result.explain(args.top))
+        table = result.table(args.top)
+        if len(table): print(table[["tp", "pp", "ep", "dp", "zero_stage", "micro_batch", "recompute", "gpus_used",
+                                    "memory_per_gpu_gb", "step_s", "mfu", "days"]].to_string(index=False, float_format="%.3g"))
+    if args.write_configs: print(f"wrote {', '.join(map(str, written))}", file=sys.stderr if args.json else sys.stdout)
+
 def _study_run(args) -> None:
     out = run_study(args.notebook, args.output, _key_values(args.param), report=args.report, kernel=args.kernel)
     print(f"executed {out}" + (f", report {args.report}" if args.report else ""))
@@ -145,6 +165,20 @@ def parser() -> argparse.ArgumentParser:
     train.add_argument("--until", type=int, help="stop (with a checkpoint) after this step, e.g. to split a run in legs")
     train.set_defaults(run=_train)
 
+    pl = sub.add_parser("plan", help="memory, time and the best parallel layouts of a params file on a cluster")
+    pl.add_argument("params", help="a params YAML file, e.g. params/marin-535b-a23b.yaml")
+    pl.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a key, e.g. train.global_batch=4096")
+    pl.add_argument("--gpu", help="a device from the hardware catalogue (default: launch.device)")
+    pl.add_argument("--gpus", type=int, help="how many (default: launch.nodes x launch.gpus_per_node)")
+    pl.add_argument("--mfu", type=float, help="an MFU measured on a real run (0.229 for 22.9%%): the days use it")
+    pl.add_argument("--tokens", type=float, help="a token budget, e.g. 18e12 (default: train.steps x the batch)")
+    pl.add_argument("--precision", choices=["bf16", "fp32"], default="bf16", help="bf16 weights with fp32 master (default), or all fp32")
+    pl.add_argument("--accounting", choices=["runtime", "paper", "deepspeed"], default="runtime", help="bytes per parameter as counted by")
+    pl.add_argument("--top", type=int, default=5, help="how many layouts to show")
+    pl.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
+    pl.add_argument("--write-configs", metavar="DIR", help="write deepspeed.json and accelerate.yaml for the best layout")
+    pl.set_defaults(run=_plan)
+
     study = sub.add_parser("study", help="run study notebooks").add_subparsers(dest="action", required=True, metavar="ACTION")
     run = study.add_parser("run", help="execute a study notebook with papermill and render an HTML report")
     run.add_argument("notebook")
@@ -158,5 +192,5 @@ def parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     try: args.run(args)
-    except (ConfigError, StudyError, DataError) as e: return _fail(e)
+    except (ConfigError, StudyError, DataError, PlanError) as e: return _fail(e)
     return 0

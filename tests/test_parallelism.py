@@ -1,0 +1,174 @@
+"The planner against the formulas, DeepSpeed's estimators and config classes, the 535B run and its own widget."
+import dataclasses
+import json
+import re
+import textwrap
+
+import pytest
+
+from conftest import BIN, ROOT, run
+from test_trainer import free_port
+from marin_study.config import ModelConfig, load_params
+from marin_study.parallelism import (GB, HARDWARE, Layout, PlanError, PlannerWidget, evaluate, layer_activation_terms,
+                                     largest_layer_params, layout_problems, model_state_memory, plan, with_layout,
+                                     write_launch_configs)
+
+PARAMS = {name: load_params(ROOT / f"params/{name}.yaml") for name in ("tiny", "small", "node", "marin-535b-a23b")}
+
+
+@pytest.mark.parametrize("name", list(PARAMS))
+@pytest.mark.parametrize("gpus", [1, 8, 64, 704])
+def test_zero2_and_zero3_model_states_equal_deepspeeds_estimators(name, gpus, capsys):
+    from deepspeed.runtime.zero.stage3 import (estimate_zero3_model_states_mem_needs,
+                                               estimate_zero3_model_states_mem_needs_all_cold)
+    from deepspeed.runtime.zero.stage_1_and_2 import (estimate_zero2_model_states_mem_needs,
+                                                      estimate_zero2_model_states_mem_needs_all_cold)
+    model = PARAMS[name].model
+    total = sum(model_state_memory(model, Layout(dp=1), "bf16", "paper")) / 16  # 16 bytes per parameter at ZeRO-0
+    largest = largest_layer_params(model)
+    nodes, per_node = (gpus // 8, 8) if gpus >= 8 else (1, gpus)
+    ours2 = sum(model_state_memory(model, Layout(dp=gpus, zero_stage=2), "bf16", "deepspeed"))
+    ours3 = sum(model_state_memory(model, Layout(dp=gpus, zero_stage=3), "bf16", "deepspeed"))
+    _, ds2 = estimate_zero2_model_states_mem_needs(int(total), per_node, nodes, cpu_offload=False)
+    _, ds3, _ = estimate_zero3_model_states_mem_needs(int(total), largest, per_node, nodes, cpu_offload=False,
+                                                      cpu_offload_params=False)
+    assert ours2 == pytest.approx(ds2, abs=1) and ours3 == pytest.approx(ds3, abs=1)
+    # and the figures the _all_cold functions print (GiB, two decimals), for the no-offload row
+    capsys.readouterr()
+    estimate_zero2_model_states_mem_needs_all_cold(int(total), per_node, nodes)
+    estimate_zero3_model_states_mem_needs_all_cold(int(total), largest, per_node, nodes)
+    rows = [line for line in capsys.readouterr().out.splitlines() if "offload_optimizer=none" in line]
+    printed = [float(re.findall(r"([\d.]+)GB", line)[1]) for line in rows]
+    assert printed == [round(ours2 / 2**30, 2), round(ours3 / 2**30, 2), round(ours3 / 2**30, 2)]
+
+
+def test_the_largest_layer_and_total_match_deepspeeds_count_of_a_real_model(capsys):
+    from deepspeed.runtime.zero.stage3 import model_to_params
+    from marin_study.model import Transformer
+    for name in ("tiny", "small"):
+        model = PARAMS[name].model
+        total, largest = model_to_params(Transformer(model))
+        assert largest == largest_layer_params(model)
+        assert total == sum(model_state_memory(model, Layout(), "bf16", "paper")) / 16
+
+
+def _gpt(h=1024, a=16, layers=2, s=2048) -> ModelConfig:
+    "A dense multi-head model whose SwiGLU of width 2h stores what Korthikanti's GELU of width 4h stores."
+    return ModelConfig(vocab_size=512, hidden_size=h, n_layers=layers, n_heads=a, n_kv_heads=a, head_dim=h // a,
+                       max_seq_len=s, dense_ffn=2 * h)
+
+
+@pytest.mark.parametrize("t,sp", [(1, False), (2, False), (4, False), (8, False), (2, True), (8, True)])
+def test_activation_terms_add_up_to_korthikanti_table_2(t, sp):
+    s, b, h, a = 2048, 4, 1024, 16
+    terms = layer_activation_terms(_gpt(h, a, s=s), 0, s, b, tp=t, sp=sp, flash=False, dropout=True)
+    if sp: expected = s * b * h / t * (34 + 5 * a * s / h)
+    else: expected = s * b * h * (10 + 24 / t + 5 * a * s / (h * t))
+    assert sum(terms.values()) == pytest.approx(expected, rel=1e-12)
+    flash = layer_activation_terms(_gpt(h, a, s=s), 0, s, b, tp=t, sp=sp, flash=True, dropout=True)
+    assert sum(flash.values()) - flash["softmax_stats"] == pytest.approx(expected - 5 * a * s * s * b / t, rel=1e-12)
+
+
+def test_recomputation_and_sequence_parallel_shrink_activations_as_the_paper_says():
+    p = PARAMS["marin-535b-a23b"]
+    act = {r: evaluate(p, Layout(ep=64, dp=704, zero_stage=1, recompute=r), HARDWARE["gb200"]).memory.activations
+           for r in ("none", "full")}
+    assert act["full"] < act["none"] / 3
+    tp1 = evaluate(p, Layout(tp=4, dp=176, sequence_parallel=False), HARDWARE["gb200"]).memory.activations
+    tp4 = evaluate(p, Layout(tp=4, dp=176), HARDWARE["gb200"]).memory.activations
+    assert tp4 < tp1
+
+
+def test_the_535b_run_on_11_gb200_racks_matches_the_published_numbers():
+    p = PARAMS["marin-535b-a23b"]
+    result = plan(p, "gb200", 792, mfu=0.229)
+    assert result.train_flops == pytest.approx(2.7e24, rel=0.05)
+    assert 60 <= result.days() <= 90
+    run_layout = evaluate(p, Layout(ep=64, dp=704, zero_stage=1, recompute="full"), HARDWARE["gb200"])
+    assert run_layout.fits and run_layout.layout.ep * run_layout.layout.tp <= HARDWARE["gb200"].nvlink_domain
+    assert "training FLOPs" in result.explain(3) and result.explain(3).count("\n") == 3
+
+
+def test_layouts_that_do_not_fit_name_the_term_that_overflows():
+    p = PARAMS["marin-535b-a23b"]
+    result = plan(p, "h100", 8)
+    assert result.best is None and not any(c.fits for c in result.candidates)
+    assert {c.overflow for c in result.candidates} <= {"params", "grads", "optimizer", "activations", "buffers", "margin"}
+    assert "no layout fits" in result.explain() and "overflows" in result.explain()
+    with pytest.raises(PlanError, match="unknown device 'tpu-v5'.*h100"):
+        plan(p, "tpu-v5", 8)
+    assert layout_problems(p.model, Layout(tp=5, ep=7, dp=700), 11264) == [
+        "tp=5 does not divide n_heads (48)", "tp=5 does not divide n_kv_heads (12)",
+        "ep=7 does not divide n_experts (384)", "global batch 11264 is not a multiple of micro_batch x dp (1 x 700)"]
+
+
+def test_plan_json_interface():
+    out = run([BIN / "marin-study", "plan", "params/marin-535b-a23b.yaml", "--gpu", "gb200", "--gpus", "792",
+               "--mfu", "0.229", "--json"]).stdout
+    result = json.loads(out)
+    assert result["train_flops"] == pytest.approx(2.65e24, rel=0.02) and 60 <= result["days"] <= 90
+    best = result["best_layout"]
+    assert {"tp", "pp", "ep", "dp", "zero_stage", "fits", "memory_per_gpu_bytes"} <= set(best)
+    assert best["fits"] and best["memory_per_gpu_bytes"] <= HARDWARE["gb200"].memory
+    assert best["tp"] * best["pp"] * best["dp"] <= 792 and best["dp"] % best["ep"] == 0
+    half = json.loads(run([BIN / "marin-study", "plan", "params/marin-535b-a23b.yaml", "--gpu", "gb200", "--gpus", "792",
+                           "--mfu", "0.229", "--tokens", "9e12", "--json"]).stdout)
+    assert half["days"] == pytest.approx(result["days"] / 2, rel=1e-3) and half["tokens"] == pytest.approx(9e12, rel=1e-4)
+    bad = run([BIN / "marin-study", "plan", "params/tiny.yaml"], check=False)
+    assert bad.returncode == 2 and "--gpu h100 --gpus" in bad.stderr and "Traceback" not in bad.stderr
+
+
+def test_launch_configs_load_in_deepspeed_and_accelerate_and_launch_the_trainer(pipeline, tmp_path):
+    p535 = PARAMS["marin-535b-a23b"]
+    best = plan(p535, "gb200", 792).best
+    _, ds_path, acc_path = write_launch_configs(with_layout(p535, best.layout, HARDWARE["gb200"]), tmp_path / "535b")
+    check = textwrap.dedent(f"""
+        import os
+        import deepspeed
+        from deepspeed.runtime.config import DeepSpeedConfig
+        from accelerate.commands.config.config_args import load_config_from_file
+        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT="{free_port()}")
+        deepspeed.init_distributed("gloo")
+        class DataParallelGroup:  # how DeepSpeed is told the data-parallel size of a layout bigger than this machine
+            def get_data_parallel_world_size(self): return {best.layout.dp}
+        ds = DeepSpeedConfig("{ds_path}", mpu=DataParallelGroup())
+        acc = load_config_from_file("{acc_path}")
+        print(ds.train_batch_size, ds.gradient_accumulation_steps, ds.zero_optimization_stage,
+              acc.distributed_type.value, acc.num_processes, acc.num_machines)
+        deepspeed.comm.destroy_process_group()
+    """)
+    printed = run([BIN / "python", "-c", check]).stdout.splitlines()[-1].split()
+    assert printed == ["11264", str(11264 // best.layout.dp), str(best.layout.zero_stage), "DEEPSPEED",
+                       str(best.layout.world), str(best.layout.world // 4)]
+    # the tiny layout's configs start the trainer through `accelerate launch --config_file`
+    base = pipeline["params"]
+    params = dataclasses.replace(base, model=dataclasses.replace(base.model, sliding_window=32), train=dataclasses.replace(
+        base.train, steps=2, global_batch=4, micro_batch=2, seq_len=128, eval_samples=2))
+    tiny = with_layout(params, Layout(dp=2, zero_stage=2, micro_batch=2))
+    params_path, ds_path, acc_path = write_launch_configs(tiny, tmp_path / "tiny")
+    launch = [BIN / "accelerate", "launch", "--config_file", acc_path, "--main_process_port", str(free_port()),
+              "--no_python", BIN / "marin-study", "train", params_path, "--run-dir", tmp_path / "run"]
+    assert "step 2: loss" in run(launch).stdout
+    assert json.loads(ds_path.read_text())["zero_optimization"]["stage"] == 2
+    # a JSON that no longer matches the params is refused by name, before any training
+    ds_path.write_text(json.dumps(dict(json.loads(ds_path.read_text()), train_micro_batch_size_per_gpu=1)))
+    refused = run(launch[:-1] + [tmp_path / "run2"], check=False)
+    assert refused.returncode != 0 and "differs from what 2 processes of these params need at train_micro_batch_size_per_gpu" in refused.stderr
+
+
+def test_the_widget_redraws_and_explains_bad_combinations():
+    w = PlannerWidget(ROOT / "params")
+    c = w.controls
+    assert c["preset"].value == "marin-535b-a23b"
+    c["gpu"].value, c["gpus"].value, c["dp"].value, c["ep"].value = "gb200", 704, 704, 64
+    c["zero_stage"].value, c["recompute"].value = 1, "full"
+    text = w.render()
+    assert "GB per GPU" in text and "days" in text and "does not fit" not in text
+    bars = sum(p.get_height() for p in w.figure.axes[0].patches)
+    assert bars == pytest.approx(w.candidate.memory.total / GB)
+    c["gpu"].value = "a100-40gb"
+    assert "does not fit" in w.message.value
+    c["tp"].value = 5
+    assert w.message.value.startswith("<b>cannot run: tp=5 does not divide n_heads")
+    c["tp"].value, c["gpus"].value = 1, 8
+    assert "more than the 8 GPUs" in w.message.value
