@@ -68,6 +68,21 @@ def reference(params_file, tmp_path_factory):
     return get
 
 
+@pytest.mark.parametrize("zero", [1, 2, 3])
+def test_each_rank_holds_the_model_state_bytes_the_planner_predicts(zero, reference, params_file, tmp_path):
+    from marin_study.config import load_params
+    from marin_study.parallelism import Layout, model_state_memory
+    run_dir = reference(2) if zero == 2 else tmp_path / "run"
+    if zero != 2: run(command("torchrun", params_file, run_dir, f"parallel.zero_stage={zero}", until=2))
+    report = json.loads((run_dir / "memory.json").read_text())
+    assert report["layout"].startswith(f"tp1 pp1 ep1 dp2 zero{zero}") and len(report["ranks"]) == 2
+    predicted = model_state_memory(load_params(params_file).model, Layout(dp=2, zero_stage=zero), "fp32", "runtime")
+    assert list(report["predicted"].values()) == pytest.approx(predicted)
+    for held in report["ranks"]:
+        for key in ("params", "grads", "optimizer"):
+            assert held[key] == pytest.approx(report["predicted"][key], rel=0.05), (key, held, report["predicted"])
+
+
 def test_zero_stages_0_2_3_train_the_same_model_on_two_processes(reference, params_file, tmp_path):
     zero0 = losses(reference(0))
     assert [r["step"] for r in MetricsLog(reference(0) / "metrics.jsonl").read()] == list(range(1, STEPS + 1))

@@ -25,17 +25,15 @@ from ..config import Params, atomic_write, dump_params, load_params
 from ..data.corpus import DataError, progress
 from ..data.tokens import Shard, load_tokenizer, make_loader, shard_dir, shard_meta
 from ..model import Transformer
+from ..parallelism import Layout, PlanError, deepspeed_config, device, model_state_memory
 from .checkpoint import Checkpoints, MetricsLog, checkpoint_name, verify
 from .optim import GuardedAdamW, StepGuard, param_groups
 from .schedule import lr_at
 
 # %% auto #0
-__all__ = ['PEAK_FLOPS', 'TrainError', 'single_process_env', 'deepspeed_config', 'HeldOut', 'Trainer', 'train', 'load_weights']
+__all__ = ['TrainError', 'single_process_env', 'HeldOut', 'held_bytes', 'Trainer', 'train', 'load_weights']
 
 # %% ../../nbs/04d_train.ipynb #11865762
-PEAK_FLOPS = {"h100": 989e12, "h200": 989e12, "a100": 312e12, "b200": 2250e12}  # dense bf16 per device
-
-
 class TrainError(RuntimeError):
     "A run that cannot start or continue as asked; the message says why and what to do."
 
@@ -49,15 +47,6 @@ def single_process_env() -> None:
     os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1",
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
 
-
-def deepspeed_config(params: Params, world_size: int) -> dict:
-    "The DeepSpeed config: fp32 master weights and states, ZeRO stage from params, our own clipping and skipping."
-    t = params.train
-    accumulation = t.global_batch // (t.micro_batch * world_size)
-    return {"train_batch_size": t.global_batch, "train_micro_batch_size_per_gpu": t.micro_batch,
-            "gradient_accumulation_steps": accumulation, "gradient_clipping": 0.0,
-            "zero_optimization": {"stage": params.parallel.zero_stage},
-            "checkpoint": {"load_universal": False}, "steps_per_print": 2**62, "wall_clock_breakdown": False}
 
 # %% ../../nbs/04d_train.ipynb #47c67b07
 def _rng_state() -> dict:
@@ -121,6 +110,26 @@ class HeldOut:
         out["eval/bpb"] = sum(out[f"eval/{d}/bpb"] for d in self.domains) / len(self.domains)
         return out
 
+# %% ../../nbs/04d_train.ipynb #6d98ead8
+def held_bytes(engine, optimizer: torch.optim.Optimizer) -> dict[str, int]:
+    "Bytes of weights, gradients and optimizer state this rank holds now (each storage counted once)."
+    def key(t): return (t.device.type, t.untyped_storage().data_ptr(), t.untyped_storage().nbytes())
+    def tensors_in(obj, depth=0):
+        if torch.is_tensor(obj): yield obj
+        elif depth < 3 and isinstance(obj, (list, tuple, dict)):
+            for o in (obj.values() if isinstance(obj, dict) else obj): yield from tensors_in(o, depth + 1)
+    module = list(engine.module.parameters())
+    weights = {key(getattr(p, "ds_tensor", p)) for p in module}  # ZeRO-3 keeps only the local shard in ds_tensor
+    zero = engine.optimizer  # DeepSpeed's ZeRO optimizer, or ours at stage 0
+    masters = [t for name in ("single_partition_of_fp32_groups", "fp32_partitioned_groups_flat")
+               for t in getattr(zero, name, [])] + [p for g in optimizer.param_groups for p in g["params"]]
+    state = ({key(t) for s in optimizer.state.values() for t in tensors_in(s)} | {key(t) for t in masters}) - weights
+    grads = {key(p.grad) for p in module + masters if p.grad is not None}
+    if zero is not optimizer:  # the ZeRO optimizers' reduced and partitioned gradient buffers
+        grads |= {key(t) for name, value in vars(zero).items() if "grad" in name.lower() for t in tensors_in(value)}
+    grads -= weights | state
+    return {name: sum(n for *_, n in keys) for name, keys in (("params", weights), ("grads", grads), ("optimizer", state))}
+
 # %% ../../nbs/04d_train.ipynb #b4df48c2
 class Trainer:
     "One training run in `run_dir`: builds or resumes the model, optimizer and data position, then trains."
@@ -136,13 +145,23 @@ class Trainer:
         if t.global_batch % (t.micro_batch * self.world_size):
             raise TrainError(f"train.global_batch ({t.global_batch}) does not split into micro-batches of "
                              f"{t.micro_batch} over {self.world_size} processes; change train.micro_batch or the process count")
+        if (p := params.parallel).tp * p.pp * p.ep > 1:
+            raise TrainError(f"parallel.tp/pp/ep are {p.tp}/{p.pp}/{p.ep}, but the trainer runs data parallel with ZeRO only; "
+                             "set them to 1 to train (they stay useful to `marin-study plan`)")
         if not torch.cuda.is_available():  # every launcher sets its own default; the machine's cores are shared out here
             local = os.environ.get("LOCAL_WORLD_SIZE") or os.environ.get("LOCAL_SIZE") or 1  # torchrun, deepspeed
             torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // int(local)))
         self.checkpoints = Checkpoints(self.run_dir / "checkpoints", keep=t.keep_checkpoints,
                                        permanent_every=t.permanent_every)
         self.metrics = MetricsLog(self.run_dir / "metrics.jsonl")
-        plugin = DeepSpeedPlugin(hf_ds_config=deepspeed_config(params, self.world_size))
+        ds_config = deepspeed_config(params, self.world_size)
+        if file := os.environ.get("ACCELERATE_DEEPSPEED_CONFIG_FILE"):  # accelerate launch --config_file: the planner's JSON
+            given = json.loads(Path(file).read_text())
+            if differ := sorted(k for k in ds_config.keys() | given.keys() if ds_config.get(k) != given.get(k)):
+                raise TrainError(f"{file} differs from what {self.world_size} processes of these params need at "
+                                 f"{', '.join(differ)}; write it again with `marin-study plan PARAMS --write-configs DIR`")
+            ds_config = given
+        plugin = DeepSpeedPlugin(hf_ds_config=ds_config)
         handlers = [InitProcessGroupKwargs(backend="nccl" if torch.cuda.is_available() else "gloo")]
         self.accelerator = Accelerator(deepspeed_plugin=plugin, kwargs_handlers=handlers,
                                        gradient_accumulation_steps=t.global_batch // (t.micro_batch * self.world_size))
@@ -173,7 +192,10 @@ class Trainer:
         self.loader = make_loader(params, self.rank, self.world_size, start_step=self.step)
         self.heldout = HeldOut(params, t.eval_samples, self.rank, self.world_size)
         self.flops_per_token = flops_per_token(params.model, t.seq_len)
-        self.peak_flops = PEAK_FLOPS.get(params.launch.device.lower()) if torch.cuda.is_available() else None
+        try: self.peak_flops = device(params.launch.device).peak_flops if torch.cuda.is_available() else None
+        except PlanError: self.peak_flops = None
+        self.held, self.held_reported = None, False  # what this rank holds at its second optimizer step (memory.json)
+        self._census = optimizer.register_step_pre_hook(self._take_census)
         self.tensorboard = None
         if t.tensorboard and self.rank == 0:
             from torch.utils.tensorboard import SummaryWriter
@@ -264,6 +286,25 @@ class Trainer:
         return final
 
     # ---- the loop
+    def _take_census(self, *_) -> None:
+        "Optimizer pre-hook: at the second step Adam's state exists and the gradients are reduced, the peak of model states."
+        if self.step >= 1 and self.held is None:
+            self.held = held_bytes(self.engine, self.optimizer)
+            self._census.remove()
+
+    def _report_memory(self) -> None:
+        "Write memory.json: each rank's held bytes next to the planner's prediction for this layout."
+        held = [None] * self.world_size
+        if dist.is_initialized(): dist.all_gather_object(held, self.held)
+        else: held = [self.held]
+        self.held_reported = True
+        if self.rank == 0:
+            layout = Layout.from_params(self.params, self.world_size)
+            predicted = model_state_memory(self.params.model, layout, precision="fp32", accounting="runtime")
+            report = {"step": self.step, "layout": str(layout), "precision": "fp32", "accounting": "runtime",
+                      "predicted": dict(zip(("params", "grads", "optimizer"), predicted)), "ranks": held}
+            atomic_write(self.run_dir / "memory.json", json.dumps(report, indent=1) + "\n")
+
     def _print(self, message: str) -> None:
         if int(os.environ.get("RANK", 0)) == 0: print(message, file=sys.stderr, flush=True)
 
@@ -329,6 +370,7 @@ class Trainer:
                         if isinstance(value, (int, float)) and not isinstance(value, bool) and key != "step":
                             self.tensorboard.add_scalar(key, value, self.step)
             records.append(record)
+            if self.held is not None and not self.held_reported: self._report_memory()
             if self.rank == 0: bar.set_postfix(loss=f"{record['loss']:.3f}")
             stop = torch.tensor([self.stop_signal or 0], device=self.device)
             if dist.is_initialized(): dist.all_reduce(stop, op=dist.ReduceOp.MAX)
