@@ -74,3 +74,32 @@ def pipeline(tmp_path_factory):
         pack_split(root / "out/clean", tokenizer, root / "out/shards", split, token_dtype(tokenizer.get_vocab_size()))
     params = dataclasses.replace(load_params(ROOT / "params/tiny.yaml"), data=data)
     return {"root": root, "raw": raw, "report": report, "tokenizer": tokenizer, "params": params}
+
+
+def quick_params(base, **train):
+    "The tiny model cut down so that a 2-process step on the small corpus takes a fraction of a second."
+    return dataclasses.replace(base, model=dataclasses.replace(base.model, sliding_window=32),
+                               data=dataclasses.replace(base.data, max_epochs=1000.0),
+                               train=dataclasses.replace(base.train, **{
+                                   "global_batch": 8, "micro_batch": 2, "seq_len": 128, "warmup_fraction": 0.25,
+                                   "dtype": "float32", **train}))
+
+
+def _slurm_answers() -> bool:
+    try: return subprocess.run(["sinfo", "-h", "-o", "%T"], capture_output=True, text=True, timeout=20).stdout.strip() == "idle"
+    except (OSError, subprocess.TimeoutExpired): return False
+
+
+@pytest.fixture(scope="session")
+def slurm():
+    "A real Slurm: the one answering here (.ci/run starts tests/slurm/harness.sh), else the harness started now."
+    started = False
+    if not _slurm_answers():
+        if os.geteuid() != 0:
+            pytest.skip("no Slurm answers here and starting one needs root: run tests/slurm/harness.sh up as root")
+        up = subprocess.run([ROOT / "tests/slurm/harness.sh", "up"], capture_output=True, text=True, timeout=600)
+        if up.returncode or not _slurm_answers():
+            pytest.skip(f"Slurm could not be started here (tests/slurm/harness.sh up: {up.stderr.strip()[-300:]})")
+        started = True
+    yield
+    if started: subprocess.run([ROOT / "tests/slurm/harness.sh", "down"], capture_output=True, timeout=120)

@@ -1,12 +1,11 @@
 "The planner against the formulas, DeepSpeed's estimators and config classes, the 535B run and its own widget."
-import dataclasses
 import json
 import re
 import textwrap
 
 import pytest
 
-from conftest import BIN, ROOT, run
+from conftest import BIN, ROOT, quick_params, run
 from test_trainer import free_port
 from marin_study.config import ModelConfig, load_params
 from marin_study.parallelism import (GB, HARDWARE, Layout, PlanError, PlannerWidget, evaluate, layer_activation_terms,
@@ -141,9 +140,7 @@ def test_launch_configs_load_in_deepspeed_and_accelerate_and_launch_the_trainer(
     assert printed == ["11264", str(11264 // best.layout.dp), str(best.layout.zero_stage), "DEEPSPEED",
                        str(best.layout.world), str(best.layout.world // 4)]
     # the tiny layout's configs start the trainer through `accelerate launch --config_file`
-    base = pipeline["params"]
-    params = dataclasses.replace(base, model=dataclasses.replace(base.model, sliding_window=32), train=dataclasses.replace(
-        base.train, steps=2, global_batch=4, micro_batch=2, seq_len=128, eval_samples=2))
+    params = quick_params(pipeline["params"], steps=2, global_batch=4, eval_samples=2)
     tiny = with_layout(params, Layout(dp=2, zero_stage=2, micro_batch=2))
     params_path, ds_path, acc_path = write_launch_configs(tiny, tmp_path / "tiny")
     launch = [BIN / "accelerate", "launch", "--config_file", acc_path, "--main_process_port", str(free_port()),

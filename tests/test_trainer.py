@@ -1,5 +1,4 @@
 "The trainer as researchers run it: real DeepSpeed processes on CPU, kills, signals, resumes and bad batches."
-import dataclasses
 import json
 import os
 import random
@@ -14,7 +13,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from conftest import BIN, ROOT, run
+from conftest import BIN, ROOT, quick_params, run
 from marin_study.config import save_params
 from marin_study.trainer.checkpoint import Checkpoints, MetricsLog
 
@@ -47,12 +46,7 @@ def losses(run_dir: Path, key: str = "loss") -> list:
 @pytest.fixture(scope="session")
 def params_file(pipeline, tmp_path_factory) -> Path:
     "The tiny model on the small real corpus, cut down so a 2-process step takes a fraction of a second."
-    p = pipeline["params"]
-    p = dataclasses.replace(p, model=dataclasses.replace(p.model, sliding_window=32),
-                            data=dataclasses.replace(p.data, max_epochs=1000.0),
-                            train=dataclasses.replace(p.train, steps=STEPS, global_batch=8, micro_batch=2, seq_len=128,
-                                                      warmup_fraction=0.25, checkpoint_every=2, keep_checkpoints=10,
-                                                      eval_every=4, eval_samples=4, dtype="float32"))
+    p = quick_params(pipeline["params"], steps=STEPS, checkpoint_every=2, keep_checkpoints=10, eval_every=4, eval_samples=4)
     return save_params(p, tmp_path_factory.mktemp("params") / "train.yaml")
 
 
