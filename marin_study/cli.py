@@ -14,11 +14,12 @@ import yaml
 from .accounting import flops_per_token, param_counts, train_compute
 from .config import ConfigError, Params, atomic_write, dump_params, load_params, parse_value
 from .data.corpus import DataError
+from .launch import LaunchError
 from .parallelism import PlanError
 from .studies import StudyError, run_study
 
 # %% auto #0
-__all__ = ['accounting_summary', 'parser', 'main']
+__all__ = ['DEFAULT_SWEEP_NOTEBOOK', 'accounting_summary', 'parser', 'main']
 
 # %% ../nbs/90_cli.ipynb #7fd77d57
 def _n(x: float) -> str:
@@ -129,11 +130,42 @@ def _plan(args) -> None:
                                     "memory_per_gpu_gb", "step_s", "mfu", "days"]].to_string(index=False, float_format="%.3g"))
     if args.write_configs: print(f"wrote {', '.join(map(str, written))}", file=sys.stderr if args.json else sys.stdout)
 
+def _launch_slurm(args) -> None:
+    from marin_study.launch import launch_slurm
+    script, job = launch_slurm(args.params, args.set, args.run_dir, args.launcher, dry_run=args.dry_run)
+    if job is None: print(script, end="")
+    else: print(f"submitted job {job}; the run, its script, params and logs are in {args.run_dir or 'runs/slurm/' + Path(args.params).stem}")
+
+def _launch_sweep(args) -> None:
+    from marin_study.launch import launch_sweep, parse_grid, read_sweep
+    raw = yaml.safe_load(Path(args.file).read_text(encoding="utf-8")) if Path(args.file).is_file() else None
+    if isinstance(raw, dict) and "grid" in raw:  # a sweep file; --grid and --notebook refine it
+        params, notebook, grid = read_sweep(args.file)
+    else:
+        params, notebook, grid = Path(args.file), Path(DEFAULT_SWEEP_NOTEBOOK), {}
+    grid.update(parse_grid(args.grid))
+    if not grid: raise LaunchError(f"{args.file}: give --grid key=v1,v2 (or a sweep file with a grid)")
+    notebook = Path(args.notebook or notebook)
+    out = args.out or f"runs/sweeps/{notebook.stem}-{params.stem}"
+    script, jobs = launch_sweep(params, notebook, grid, out, dry_run=args.dry_run)
+    if not jobs: print(script, end="")
+    else: print(f"submitted array {jobs[0]} and summary job {jobs[1]}; results in {out}/task-N/ and {out}/summary.html")
+
+def _launch_task(args) -> None:
+    from marin_study.launch import run_task
+    print(f"executed {run_task(args.out, args.index)}")
+
+def _launch_summarize(args) -> None:
+    from marin_study.launch import summarize
+    print(f"summary in {summarize(args.out)}")
+
 def _study_run(args) -> None:
     out = run_study(args.notebook, args.output, _key_values(args.param), report=args.report, kernel=args.kernel)
     print(f"executed {out}" + (f", report {args.report}" if args.report else ""))
 
 # %% ../nbs/90_cli.ipynb #3bae173b
+DEFAULT_SWEEP_NOTEBOOK = "nbs/studies/train_tiny.ipynb"
+
 def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="marin-study", description="Study, validate and launch MoE pretraining.")
     ap.add_argument("--local_rank", "--local-rank", type=int, help=argparse.SUPPRESS)  # the deepspeed launcher adds it
@@ -179,6 +211,30 @@ def parser() -> argparse.ArgumentParser:
     pl.add_argument("--write-configs", metavar="DIR", help="write deepspeed.json and accelerate.yaml for the best layout")
     pl.set_defaults(run=_plan)
 
+    launch = sub.add_parser("launch", help="submit training and sweeps to Slurm").add_subparsers(dest="action", required=True, metavar="ACTION")
+    slurm = launch.add_parser("slurm", help="render an sbatch script for a params file and submit it (preemption-safe)")
+    slurm.add_argument("params", help="a params YAML file, e.g. params/node.yaml")
+    slurm.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a key, e.g. launch.nodes=4")
+    slurm.add_argument("--run-dir", help="the run folder (default runs/slurm/PARAMS-NAME); submit again to continue")
+    slurm.add_argument("--launcher", choices=["accelerate", "torchrun", "srun"], default="accelerate",
+                       help="one task per node with accelerate launch (default) or torchrun, or one task per process")
+    slurm.add_argument("--dry-run", action="store_true", help="print the script, check the params, submit nothing")
+    slurm.set_defaults(run=_launch_slurm)
+    sweep = launch.add_parser("sweep", help="a Slurm job array: one papermill run of a study per grid point, then a summary")
+    sweep.add_argument("file", help="a params file (with --grid), or a sweep file such as params/sweeps/lr.yaml")
+    sweep.add_argument("--grid", action="append", default=[], metavar="KEY=V1,V2",
+                       help="train.lr=1.0e-3,3.0e-3 overrides params; a key without a dot is a notebook parameter")
+    sweep.add_argument("--notebook", help=f"the study (default: the sweep file's, else {DEFAULT_SWEEP_NOTEBOOK})")
+    sweep.add_argument("--out", help="the sweep folder (default runs/sweeps/STUDY-PARAMS)")
+    sweep.add_argument("--dry-run", action="store_true", help="print the array script, check the grid, submit nothing")
+    sweep.set_defaults(run=_launch_sweep)
+    task = launch.add_parser("task", help="run one task of a submitted sweep (what each array task does)")
+    task.add_argument("out"), task.add_argument("index", type=int)
+    task.set_defaults(run=_launch_task)
+    summary = launch.add_parser("summarize", help="collect a sweep's results into summary.csv and summary.html")
+    summary.add_argument("out")
+    summary.set_defaults(run=_launch_summarize)
+
     study = sub.add_parser("study", help="run study notebooks").add_subparsers(dest="action", required=True, metavar="ACTION")
     run = study.add_parser("run", help="execute a study notebook with papermill and render an HTML report")
     run.add_argument("notebook")
@@ -192,5 +248,5 @@ def parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     try: args.run(args)
-    except (ConfigError, StudyError, DataError, PlanError) as e: return _fail(e)
+    except (ConfigError, StudyError, DataError, PlanError, LaunchError) as e: return _fail(e)
     return 0
