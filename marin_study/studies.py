@@ -62,6 +62,17 @@ def render_html(notebook: str | Path, html: str | Path, title: str | None = None
     return atomic_write(html, body)
 
 # %% ../nbs/80_studies.ipynb #56e7b97a
+def _execute(notebook: Path, partial: Path, parameters: dict, kernel: str, cwd) -> None:
+    "papermill, retried when the kernel dies before it starts (kernels started at once on one host race for ports)."
+    for attempt in range(3):
+        try:
+            papermill.execute_notebook(str(notebook), str(partial), parameters=parameters, kernel_name=kernel,
+                                       language="python", cwd=str(cwd) if cwd else None,
+                                       progress_bar=sys.stderr.isatty(), log_output=False)
+            return
+        except RuntimeError as e:
+            if "Kernel died before replying" not in str(e) or attempt == 2: raise
+
 def run_study(notebook: str | Path, output: str | Path, parameters: dict[str, Any] | None = None,
               report: str | Path | None = None, kernel: str = KERNEL, cwd: str | Path | None = None) -> Path:
     "Execute a study notebook with `parameters` into `output` (and render `report`), atomically."
@@ -78,9 +89,7 @@ def run_study(notebook: str | Path, output: str | Path, parameters: dict[str, An
                              f"{'.ipynb' if what == '--output' else '.html'}")
     output.parent.mkdir(parents=True, exist_ok=True)
     partial = output.with_name(f".{output.stem}.running.ipynb")
-    try:
-        papermill.execute_notebook(str(notebook), str(partial), parameters=parameters, kernel_name=kernel, language="python",
-                                   cwd=str(cwd) if cwd else None, progress_bar=sys.stderr.isatty(), log_output=False)
+    try: _execute(notebook, partial, parameters, kernel, cwd)
     except papermill.PapermillExecutionError as e:
         failed = partial.replace(output.with_name(f"{output.stem}.failed.ipynb"))
         raise StudyError(f"{notebook}: cell {e.exec_count} raised {e.ename}: {e.evalue} "
