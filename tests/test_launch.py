@@ -72,6 +72,7 @@ def test_bad_input_is_refused_before_anything_is_submitted(slurm, launch_params,
     assert "cannot be split into micro-batches" in launch("launch.procs_per_node=3")  # more than the batch splits over
     assert "launch.partition 'gpu-a100' does not exist; this cluster has debug" in launch("launch.partition=gpu-a100")
     assert "runs data parallel with ZeRO only" in launch("parallel.ep=2")
+    assert "keeps every activation" in launch("parallel.activation_checkpointing=full")
     assert "sbatch is not on PATH" in launch(env={"PATH": str(BIN)})
     notebook = nbformat.read(ROOT / "nbs/studies/train_tiny.ipynb", as_version=4)
     for cell in notebook.cells: cell.metadata.pop("tags", None)

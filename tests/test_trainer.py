@@ -273,3 +273,10 @@ def test_trainer_benchmark_runs_and_prints_its_ratio(params_file):
     result = run([sys.executable, str(ROOT / "bench/trainer.py"), "--params", str(params_file), "--steps", "2",
                   "--warmup", "1", "--rounds", "1"])
     assert float(result.stdout.strip().splitlines()[-1].removeprefix("ratio: ")) > 0
+
+
+@pytest.mark.parametrize("setting", ["parallel.ep=2", "parallel.activation_checkpointing=full"])
+def test_parallelism_the_trainer_does_not_run_is_refused_not_ignored(setting, params_file, tmp_path):
+    result = run(command("alone", params_file, tmp_path / "run", setting), check=False)
+    assert result.returncode == 2 and "the trainer runs data parallel with ZeRO only" in result.stderr
+    assert "Traceback" not in result.stderr and not (tmp_path / "run/metrics.jsonl").exists()

@@ -145,9 +145,10 @@ class Trainer:
         if t.global_batch % (t.micro_batch * self.world_size):
             raise TrainError(f"train.global_batch ({t.global_batch}) does not split into micro-batches of "
                              f"{t.micro_batch} over {self.world_size} processes; change train.micro_batch or the process count")
-        if (p := params.parallel).tp * p.pp * p.ep > 1:
-            raise TrainError(f"parallel.tp/pp/ep are {p.tp}/{p.pp}/{p.ep}, but the trainer runs data parallel with ZeRO only; "
-                             "set them to 1 to train (they stay useful to `marin-study plan`)")
+        if (p := params.parallel).tp * p.pp * p.ep > 1 or p.activation_checkpointing != "none":
+            raise TrainError(f"parallel.tp/pp/ep are {p.tp}/{p.pp}/{p.ep} and activation_checkpointing is "
+                             f"{p.activation_checkpointing!r}, but the trainer runs data parallel with ZeRO only and "
+                             "keeps every activation; set them to 1 and 'none' to train (marin-study plan uses them)")
         if not torch.cuda.is_available():  # every launcher sets its own default; the machine's cores are shared out here
             local = os.environ.get("LOCAL_WORLD_SIZE") or os.environ.get("LOCAL_SIZE") or 1  # torchrun, deepspeed
             torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // int(local)))
