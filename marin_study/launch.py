@@ -6,7 +6,6 @@ from __future__ import annotations
 import datetime
 import itertools
 import json
-import os
 import shlex
 import shutil
 import subprocess
@@ -15,9 +14,9 @@ from pathlib import Path
 
 import yaml
 
-from .config import ConfigError, Params, YamlLoader, atomic_write, dump_params, load_params, parse_value, save_params
+from .config import Params, YamlLoader, atomic_write, dump_params, load_params, parse_value, save_params
 from .parallelism import Layout, layout_problems, write_launch_configs
-from .studies import StudyError, run_study, study_parameters
+from .studies import run_study, study_parameters
 
 # %% auto #0
 __all__ = ['LAUNCHERS', 'SIGNAL_LEAD', 'TASK_OUTPUTS', 'LaunchError', 'layout_errors', 'slurm_errors', 'signal_lead',
