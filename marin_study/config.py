@@ -321,6 +321,7 @@ class TrainConfig(Section):
     eval_samples: int = _f(32, ge=1)             # windows of seq_len per held-out domain
     spike_window: int = _f(100, ge=2)            # bad-step guard: accepted steps in the rolling statistics
     spike_sigmas: float = _f(6.0, gt=0)          # a loss or grad norm above mean + sigmas x std is a spike
+    spike_warmup: int = _f(50, ge=0)             # first accepted steps: only NaN/inf is judged
     max_bad_steps: int = _f(5, ge=1)             # this many bad steps in a row stop the run
     tensorboard: bool = False                    # also write the metrics as TensorBoard events in RUN_DIR/tensorboard
 

@@ -258,7 +258,7 @@ def test_poisoned_batches_are_skipped_counted_and_too_many_stop_the_run(params_f
     script = tmp_path / "poison.py"
     script.write_text(POISON)
     sets = ["train.steps=40", "train.spike_window=5", "train.max_bad_steps=3", "train.checkpoint_every=5",
-            "train.eval_every=0", "train.seq_len=64", "train.lr=1.0e-3"]
+            "train.eval_every=0", "train.seq_len=64", "train.lr=1.0e-3", "train.spike_warmup=10"]
     result = run([sys.executable, str(script), str(params_file), str(tmp_path / "run"), "21,22,25,26,27,28", *sets])
     records = MetricsLog(tmp_path / "run/metrics.jsonl").read()
     skipped = {r["step"]: r["skip_reason"] for r in records if r.get("skipped")}

@@ -27,15 +27,17 @@ class BadStepsError(RuntimeError):
     "Too many bad steps in a row: the run stops, keeping its last good checkpoint."
 
 class StepGuard:
-    "Accept or reject a step by its loss and gradient norm against a rolling window of accepted steps."
-    def __init__(self, window: int = 100, sigmas: float = 6.0, max_bad_in_a_row: int = 5, warmup: int = 20):
+    """Accept or reject a step by its loss and gradient norm against a rolling window of accepted steps.
+    The first `warmup` accepted steps are judged only for non-finite values and stay out of the statistics; after
+    them a spike is judged once the window is half full, as OLMo-core and Levanter do."""
+    def __init__(self, window: int = 100, sigmas: float = 6.0, max_bad_in_a_row: int = 5, warmup: int = 50):
         self.sigmas, self.max_bad, self.warmup = sigmas, max_bad_in_a_row, warmup
         self.history = {"loss": deque(maxlen=window), "grad_norm": deque(maxlen=window)}
-        self.bad_in_a_row = self.bad_total = 0
+        self.accepted = self.bad_in_a_row = self.bad_total = 0
 
     def _spike(self, name: str, value: float) -> str | None:
         values = self.history[name]
-        if len(values) < max(min(self.warmup, values.maxlen), 2): return None
+        if len(values) < max(2, values.maxlen // 2): return None
         mean = sum(values) / len(values)
         std = math.sqrt(sum((v - mean) ** 2 for v in values) / len(values))
         limit = mean + self.sigmas * max(std, 1e-8 * abs(mean))
@@ -44,11 +46,14 @@ class StepGuard:
     def check(self, loss: float, grad_norm: float) -> str | None:
         "None if the step is good (and remembered), else why it is bad; raises after too many bad in a row."
         reason = next((f"{n} is {v}" for n, v in (("loss", loss), ("grad_norm", grad_norm)) if not math.isfinite(v)), None)
-        reason = reason or self._spike("loss", loss) or self._spike("grad_norm", grad_norm)
+        if reason is None and self.accepted >= self.warmup:
+            reason = self._spike("loss", loss) or self._spike("grad_norm", grad_norm)
         if reason is None:
+            if self.accepted >= self.warmup:
+                self.history["loss"].append(loss)
+                self.history["grad_norm"].append(grad_norm)
+            self.accepted += 1
             self.bad_in_a_row = 0
-            self.history["loss"].append(loss)
-            self.history["grad_norm"].append(grad_norm)
             return None
         self.bad_in_a_row += 1
         self.bad_total += 1
@@ -59,12 +64,12 @@ class StepGuard:
         return reason
 
     def state_dict(self) -> dict:
-        return {"history": {k: list(v) for k, v in self.history.items()}, "bad_in_a_row": self.bad_in_a_row,
-                "bad_total": self.bad_total}
+        return {"history": {k: list(v) for k, v in self.history.items()}, "accepted": self.accepted,
+                "bad_in_a_row": self.bad_in_a_row, "bad_total": self.bad_total}
 
     def load_state_dict(self, state: dict) -> None:
         for k, values in state["history"].items(): self.history[k].extend(values)
-        self.bad_in_a_row, self.bad_total = state["bad_in_a_row"], state["bad_total"]
+        self.accepted, self.bad_in_a_row, self.bad_total = state["accepted"], state["bad_in_a_row"], state["bad_total"]
 
 # %% ../../nbs/04c_optim.ipynb #b575c254
 class GuardedAdamW(torch.optim.AdamW):

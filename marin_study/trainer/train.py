@@ -178,7 +178,7 @@ class Trainer:
 
         torch.manual_seed(t.seed)
         model = Transformer(params.model)
-        self.guard = StepGuard(window=t.spike_window, sigmas=t.spike_sigmas, max_bad_in_a_row=t.max_bad_steps)
+        self.guard = StepGuard(t.spike_window, t.spike_sigmas, t.max_bad_steps, t.spike_warmup)
         optimizer = GuardedAdamW(param_groups(model, t.weight_decay), self.guard, t.grad_clip, lr=lr_at(0, t),
                                  betas=(t.beta1, t.beta2), eps=t.eps)
         self.engine, _ = self.accelerator.prepare(model, optimizer)
