@@ -216,7 +216,7 @@ def test_aux_losses_are_weighted_into_the_loss_and_reach_the_router():
     assert out.aux_loss >= 0.99 * len(model.moe_layers())  # E * sum f P >= 1 per layer, = 1 when perfectly balanced
     out.aux_loss.backward()
     assert model.moe_layers()[0].router.weight.grad.abs().sum() > 0
-    plain = tiny_model()(tokens(), tokens(seed=3))
+    plain = tiny_model(aux_loss_weight=0.0, router_z_loss_weight=0.0)(tokens(), tokens(seed=3))
     assert plain.aux_loss is None and plain.router_z_loss is None
 
 
