@@ -121,11 +121,13 @@ def test_dvc_repro_trains_the_tiny_study_reports_on_it_and_a_second_repro_resume
     run(["dvc", "repro", "--force", "train"], cwd=project_copy)  # the persistent run is found, nothing retrains
     assert len(MetricsLog(runs / "metrics.jsonl").read()) == 300
     assert "Data and pipelines are up to date" in run(["dvc", "status", "train"], cwd=project_copy).stdout
-    # the same study as a DVC experiment with -S overrides (what `dvc exp run --queue` would queue), on other seeds:
-    # the cheapest of the perturbations tests/slow/tiny_robustness.py runs (the study asserts that no step is skipped)
-    run(["dvc", "exp", "run", "-S", "params/tiny.yaml:train.steps=120", "-S", "params/tiny.yaml:train.eval_every=20",
-         "-S", "params/tiny.yaml:train.seed=1", "-S", "params/tiny.yaml:data.seed=1", "train"], cwd=project_copy)
-    assert json.loads((project_copy / "reports/train_tiny.json").read_text())["steps"] == 120
+    # the same study as a DVC experiment with -S overrides (what `dvc exp run --queue` would queue), shorter and on
+    # other seeds; the study asserts a healthy run (no step skipped, loss and bpb fall). 200 steps is about the shortest
+    # where those hold with margin: at 120 steps seed 1 fell 1.96 nats, under the study's 2.0. The full-length
+    # perturbations are tests/slow/tiny_robustness.py's.
+    run(["dvc", "exp", "run", "-S", "params/tiny.yaml:train.steps=200", "-S", "params/tiny.yaml:train.seed=1",
+         "-S", "params/tiny.yaml:data.seed=1", "train"], cwd=project_copy)
+    assert json.loads((project_copy / "reports/train_tiny.json").read_text())["steps"] == 200
     assert len(run(["dvc", "exp", "list", "--name-only"], cwd=project_copy).stdout.split()) == 1
 
 
