@@ -20,7 +20,8 @@ from datasketch import MinHashLSH
 from marin_study.config import load_params
 from marin_study.data.clean import minhash
 from marin_study.data.corpus import read_jsonl
-from marin_study.data.tokens import clean_files, load_tokenizer, make_loader, pack_split, token_dtype
+from marin_study.data.mixture import make_loader
+from marin_study.data.tokens import clean_files, load_tokenizer, pack_split, token_dtype
 from marin_study.model import Transformer
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 from marin_study.config import load_params
-from marin_study.data.tokens import make_loader
+from marin_study.data.mixture import make_loader
 from marin_study.model import Transformer
 from marin_study.trainer.optim import param_groups
 from marin_study.trainer.schedule import make_scheduler

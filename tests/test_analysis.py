@@ -6,8 +6,9 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from marin_study.analysis import (KINDS, AnalysisError, Thresholds, compare, diagnose, explorer, findings_table,
-                                  fit_scaling_law, load_curves)
+from marin_study.analysis import (KINDS, AnalysisError, Thresholds, compare, diagnose, findings_table, fit_scaling_law,
+                                  load_curves)
+from marin_study.widgets import explorer
 
 VOCAB = 8192
 

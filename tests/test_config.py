@@ -6,8 +6,9 @@ import pytest
 import yaml
 
 from conftest import ROOT
-from marin_study.config import (ConfigError, ModelConfig, Params, YamlLoader, atomic_write, dump_params, load_params,
-                                params_from_dict, save_params)
+from marin_study.config import (ConfigError, ModelConfig, Params, YamlLoader, dump_params, load_params, params_from_dict,
+                                save_params)
+from marin_study.utils import atomic_write
 
 PRESETS = sorted((ROOT / "params").glob("*.yaml"))
 

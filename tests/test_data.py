@@ -12,8 +12,8 @@ from conftest import ROOT, run, small_corpus
 from marin_study.config import ConfigError, MixturePhase, load_params
 from marin_study.data.clean import clean_corpus, contamination, first_failed_filter, normalize, quality_stats
 from marin_study.data.corpus import DataError, read_jsonl
-from marin_study.data.tokens import (BLOCK, EOD, Feistel, Mixture, Shard, StepSampler, bytes_per_token, load_tokenizer,
-                                     make_loader, pack_split, token_dtype, train_tokenizer)
+from marin_study.data.mixture import BLOCK, Feistel, Mixture, StepSampler, make_loader
+from marin_study.data.tokens import EOD, Shard, bytes_per_token, load_tokenizer, token_dtype
 
 PARAMS = load_params(ROOT / "params/tiny.yaml")
 

@@ -7,7 +7,7 @@ LIBRARY_NOTEBOOKS = sorted(p.name for p in (ROOT / "nbs").glob("*.ipynb"))
 
 
 def test_library_notebooks_found():
-    assert {"index.ipynb", "00_config.ipynb", "01_accounting.ipynb"} <= set(LIBRARY_NOTEBOOKS)
+    assert {"index.ipynb", "00_utils.ipynb", "01_layout.ipynb", "02_config.ipynb"} <= set(LIBRARY_NOTEBOOKS)
 
 
 @pytest.mark.parametrize("notebook", LIBRARY_NOTEBOOKS)

@@ -8,9 +8,11 @@ import pytest
 from conftest import BIN, ROOT, quick_params, run
 from test_trainer import free_port
 from marin_study.config import ModelConfig, load_params
-from marin_study.parallelism import (GB, HARDWARE, Layout, PlanError, PlannerWidget, evaluate, layer_activation_terms,
-                                     largest_layer_params, layout_problems, model_state_memory, plan, with_layout,
-                                     write_launch_configs)
+from marin_study.hardware import GB, HARDWARE, HardwareError
+from marin_study.layout import Layout, layout_refusals
+from marin_study.parallelism import evaluate, layer_activation_terms, plan, with_layout, write_launch_configs
+from marin_study.trainer.deepspeed import largest_layer_params, model_state_memory
+from marin_study.widgets import PlannerWidget
 
 PARAMS = {name: load_params(ROOT / f"params/{name}.yaml") for name in ("tiny", "small", "node", "marin-535b-a23b")}
 
@@ -94,11 +96,14 @@ def test_layouts_that_do_not_fit_name_the_term_that_overflows():
     assert result.best is None and not any(c.fits for c in result.candidates)
     assert {c.overflow for c in result.candidates} <= {"params", "grads", "optimizer", "activations", "buffers", "margin"}
     assert "no layout fits" in result.explain() and "overflows" in result.explain()
-    with pytest.raises(PlanError, match="unknown device 'tpu-v5'.*h100"):
+    with pytest.raises(HardwareError, match="unknown device 'tpu-v5'.*h100"):
         plan(p, "tpu-v5", 8)
-    assert layout_problems(p.model, Layout(tp=5, ep=7, dp=700), 11264) == [
-        "tp=5 does not divide n_heads (48)", "tp=5 does not divide n_kv_heads (12)",
-        "ep=7 does not divide n_experts (384)", "global batch 11264 is not a multiple of micro_batch x dp (1 x 700)"]
+    assert [str(r) for r in layout_refusals(p.model, Layout(tp=5, ep=7, dp=700), 11264)] == [
+        "parallel.tp: 5 does not divide model.n_heads (48) (fix: set parallel.tp to a divisor of 48)",
+        "parallel.tp: 5 does not divide model.n_kv_heads (12) (fix: set parallel.tp to a divisor of 12)",
+        "parallel.ep: 7 does not divide model.n_experts (384) (fix: set parallel.ep to a divisor of 384)",
+        "train.global_batch: 11264 sequences cannot be split into micro-batches of 1 on 700 data-parallel ranks (fix: make "
+        "it a multiple of micro_batch x 700 (700), or change train.micro_batch or the process count)"]
 
 
 def test_plan_json_interface():
@@ -166,6 +171,6 @@ def test_the_widget_redraws_and_explains_bad_combinations():
     c["gpu"].value = "a100-40gb"
     assert "does not fit" in w.message.value
     c["tp"].value = 5
-    assert w.message.value.startswith("<b>cannot run: tp=5 does not divide n_heads")
+    assert w.message.value.startswith("<b>cannot run: parallel.tp: 5 does not divide model.n_heads")
     c["tp"].value, c["gpus"].value = 1, 8
     assert "more than the 8 GPUs" in w.message.value

@@ -65,7 +65,8 @@ def reference(params_file, tmp_path_factory):
 @pytest.mark.parametrize("zero", [1, 2, 3])
 def test_each_rank_holds_the_model_state_bytes_the_planner_predicts(zero, reference, params_file, tmp_path):
     from marin_study.config import load_params
-    from marin_study.parallelism import Layout, model_state_memory
+    from marin_study.layout import Layout
+    from marin_study.trainer.deepspeed import model_state_memory
     run_dir = reference(2) if zero == 2 else tmp_path / "run"
     if zero != 2: run(command("torchrun", params_file, run_dir, f"parallel.zero_stage={zero}", until=2))
     report = json.loads((run_dir / "memory.json").read_text())

@@ -22,8 +22,9 @@ import pandas as pd
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 from marin_study.analysis import diagnose, load_curves
-from marin_study.config import atomic_write, load_params
-from marin_study.data.corpus import read_jsonl, write_jsonl
+from marin_study.config import load_params
+from marin_study.data.corpus import read_jsonl
+from marin_study.utils import atomic_write, write_jsonl
 from marin_study.studies import run_study
 
 PARAMS = "params/tiny.yaml"
