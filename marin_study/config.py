@@ -376,7 +376,7 @@ class Params:
 SECTIONS: dict[str, type[Section]] = get_type_hints(Params)
 REQUIRED_SECTIONS = [f.name for f in dataclasses.fields(Params) if f.default_factory is dataclasses.MISSING]
 
-# %% ../nbs/02_config.ipynb #70c57463
+# %% ../nbs/02_config.ipynb #27b3aa56
 def _key_lines(node: yaml.Node, source: str, prefix: str = "", out: dict | None = None, problems: list | None = None):
     "Map each dotted key of a YAML mapping node to `file:line`, and note duplicate keys."
     out = {} if out is None else out
@@ -414,8 +414,8 @@ def _resolve(dotted: str) -> tuple[list[str], Problem | None]:
 
 def _apply_override(raw: dict, override: str, origins: dict, problems: list):
     try: key, text = split_assignment(override)
-    except ValueError as e:
-        problems.append(Problem(override, str(e), "write e.g. train.lr=3.0e-4"))
+    except ValueError:
+        problems.append(Problem(override, "an override must look like key=value", "write e.g. train.lr=3.0e-4"))
         return
     origins[key] = f"override '{override}'"
     parts, problem = _resolve(key)
