@@ -1,7 +1,8 @@
 import json
 import os
 
-from marin_study.trainer.checkpoint import Checkpoints, MetricsLog, checkpoint_name, verify, write_manifest
+from marin_study.trainer.checkpoint import Checkpoints, checkpoint_name, verify, write_manifest
+from marin_study.trainer.metrics import MetricsLog
 
 
 def save(ckpts, step, payload=b"weights"):
@@ -68,3 +69,10 @@ def test_metrics_log_truncates_back_to_a_checkpoint(tmp_path):
     assert [r["step"] for r in log.read()] == [0, 1, 2]
     log.write({"step": 3, "loss": 0.2})
     assert [r["step"] for r in log.read()] == [0, 1, 2, 3]
+
+
+def test_metrics_log_drops_a_torn_last_line(tmp_path):
+    log = MetricsLog(tmp_path / "metrics.jsonl")
+    for step in (1, 2): log.write({"step": step})
+    with open(log.path, "a") as f: f.write('{"step": 3, "lo')  # the run was killed while writing step 3
+    assert [r["step"] for r in log.read()] == [1, 2]

@@ -11,7 +11,7 @@ import pytest
 
 from conftest import BIN, ROOT, quick_params, run
 from marin_study.config import save_params
-from marin_study.trainer.checkpoint import MetricsLog
+from marin_study.trainer.metrics import MetricsLog
 from test_trainer import command, losses
 
 STEPS = 16

@@ -13,7 +13,7 @@ from conftest import ROOT, run
 from marin_study.analysis import KINDS
 from marin_study.config import load_params
 from marin_study.studies import StudyError, remote_references, run_study, study_parameters
-from marin_study.trainer.checkpoint import MetricsLog
+from marin_study.trainer.metrics import MetricsLog
 
 
 def test_remote_references_are_detected():

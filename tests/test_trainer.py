@@ -15,7 +15,8 @@ import pytest
 
 from conftest import BIN, ROOT, quick_params, run
 from marin_study.config import save_params
-from marin_study.trainer.checkpoint import Checkpoints, MetricsLog
+from marin_study.trainer.checkpoint import Checkpoints
+from marin_study.trainer.metrics import MetricsLog, eval_domains
 
 STEPS = 8
 
@@ -92,7 +93,7 @@ def test_zero_stages_0_2_3_train_the_same_model_on_two_processes(reference, para
         assert key in records[0], key
     evals = [r for r in records if "eval/bpb" in r]
     assert [r["step"] for r in evals] == [4, 8]
-    domains = {k.split("/")[1] for k in evals[0] if k.startswith("eval/") and k.count("/") == 2}
+    domains = eval_domains(evals[0])
     assert len(domains) >= 5
     assert evals[0]["eval/bpb"] == pytest.approx(sum(evals[0][f"eval/{d}/bpb"] for d in domains) / len(domains))
     assert evals[1]["eval/bpb"] < evals[0]["eval/bpb"]
@@ -268,6 +269,38 @@ def test_poisoned_batches_are_skipped_counted_and_too_many_stop_the_run(params_f
     assert records[22]["bad_steps"] == 2 and records[-1]["bad_steps"] == 4 and records[-1]["step"] == 26
     assert "stopped: 3 bad steps in a row" in result.stdout  # at step 27
     assert Checkpoints(tmp_path / "run/checkpoints").steps()[-1] == 25  # the last checkpoint stays
+
+
+RECORDER = """
+import json, sys
+from marin_study.config import load_params
+from marin_study.trainer.callbacks import Callback
+from marin_study.trainer.train import train
+
+class Recorder(Callback):
+    "A side job the loop was never edited for: every call it gets, in order, written out when the trainer closes."
+    def __init__(self, path): self.path, self.calls = path, []
+    def on_fit_start(self, trainer): self.calls.append(["fit_start", trainer.step])
+    def on_log(self, trainer, record): self.calls.append(["log", record["step"], record["loss"]])
+    def on_step_end(self, trainer, record): self.calls.append(["step_end", record["step"]])
+    def on_fit_end(self, trainer): self.calls.append(["fit_end", trainer.step])
+    def close(self):
+        with open(self.path, "w") as f: json.dump(self.calls + [["close"]], f)
+
+train(load_params(sys.argv[1], sys.argv[5:]), sys.argv[2], until=int(sys.argv[3]), callbacks=[Recorder(sys.argv[4])])
+"""
+
+
+def test_a_new_callback_joins_the_loop_without_editing_it(params_file, tmp_path):
+    script = tmp_path / "recorder.py"
+    script.write_text(RECORDER)
+    run([sys.executable, str(script), str(params_file), str(tmp_path / "run"), "3", str(tmp_path / "calls.json"),
+         "train.log_every=2"])
+    calls = json.loads((tmp_path / "calls.json").read_text())
+    logged = MetricsLog(tmp_path / "run/metrics.jsonl").read()
+    assert [r["step"] for r in logged] == [2, 3]  # every second step, and the last of the leg
+    assert calls == [["fit_start", 0], ["step_end", 1], ["log", 2, logged[0]["loss"]], ["step_end", 2],
+                     ["log", 3, logged[1]["loss"]], ["step_end", 3], ["fit_end", 3], ["close"]]
 
 
 def test_trainer_benchmark_runs_and_prints_its_ratio(params_file):

@@ -14,7 +14,7 @@ from pathlib import Path
 from ..utils import atomic_write
 
 # %% auto #0
-__all__ = ['MANIFEST', 'checkpoint_name', 'write_manifest', 'verify', 'Checkpoints', 'MetricsLog']
+__all__ = ['MANIFEST', 'checkpoint_name', 'write_manifest', 'verify', 'Checkpoints']
 
 # %% ../../nbs/07b_checkpoint.ipynb #14b8f427
 MANIFEST = "MANIFEST.json"
@@ -95,24 +95,3 @@ class Checkpoints:
         doomed = rolling[:-self.keep] if self.keep else rolling
         for step in doomed: shutil.rmtree(self.root / checkpoint_name(step))
         return doomed
-
-# %% ../../nbs/07b_checkpoint.ipynb #2bedda71
-class MetricsLog:
-    def __init__(self, path: str | os.PathLike):
-        self.path = Path(path)
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-
-    def offset(self) -> int: return self.path.stat().st_size if self.path.exists() else 0
-
-    def truncate(self, offset: int) -> None:
-        "Cut the log back to `offset` bytes (the length a checkpoint recorded)."
-        if self.path.exists() and self.path.stat().st_size > offset:
-            with open(self.path, "r+b") as f: f.truncate(offset)
-
-    def write(self, record: dict) -> None:
-        with open(self.path, "a") as f:
-            f.write(json.dumps(record, separators=(",", ":")) + "\n")
-            f.flush()
-
-    def read(self) -> list[dict]:
-        return [json.loads(line) for line in self.path.read_text().splitlines() if line.strip()] if self.path.exists() else []

@@ -12,7 +12,7 @@ import torch.nn as nn
 # %% auto #0
 __all__ = ['param_groups', 'BadStepsError', 'StepGuard', 'GuardedAdamW']
 
-# %% ../../nbs/07c_optim.ipynb #e45c83b3
+# %% ../../nbs/07c_optim.ipynb #07b6b944
 def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
     "AdamW groups: 'decay' for matrices of linear layers and experts, 'no_decay' for norms, biases and embeddings."
     embeddings = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
@@ -23,6 +23,7 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
     return [{"name": "decay", "params": decay, "weight_decay": weight_decay},
             {"name": "no_decay", "params": no_decay, "weight_decay": 0.0}]
 
+# %% ../../nbs/07c_optim.ipynb #bb7548c3
 class BadStepsError(RuntimeError):
     "Too many bad steps in a row: the run stops, keeping its last good checkpoint."
 
