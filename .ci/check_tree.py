@@ -26,6 +26,7 @@ NOT_BIT_REPRODUCIBLE = {
     "reports/loss_report.html": "rendered from that executed notebook",
     "runs/launch/cluster_launch.ipynb": "papermill records each cell's start and end time",
     "reports/cluster_launch.html": "rendered from that executed notebook",
+    "reports/book": "the executed chapters print timings (the loader's speed, the optimizer's step) and embed plots",
 }
 
 

@@ -71,7 +71,7 @@ class ConfigError(ValueError):
             lines.append(f"  {where}: {p.key}: {p.message} (fix: {p.fix})")
         super().__init__("\n".join(lines))
 
-# %% ../nbs/02_config.ipynb #ef82d08d
+# %% ../nbs/02_config.ipynb #a2500eb2
 def _f(default: Any = dataclasses.MISSING, *, ge=None, gt=None, le=None, lt=None):
     "A dataclass field with an optional numeric range."
     kw = {"default_factory": default} if callable(default) else {"default": default}
@@ -116,6 +116,7 @@ def _coerce(value: Any, tp: Any) -> Any:
     elif isinstance(value, tp): return value
     raise TypeError(f"expected {_type_name(tp)}, got {value!r}")
 
+# %% ../nbs/02_config.ipynb #20f3b00d
 _BOUNDS = {"ge": (lambda v, b: v >= b, ">="), "gt": (lambda v, b: v > b, ">"),
            "le": (lambda v, b: v <= b, "<="), "lt": (lambda v, b: v < b, "<")}
 
@@ -213,7 +214,7 @@ class ModelConfig(Section):
         if self.n_dense_layers and self.dense_ffn < 1:
             yield Problem("dense_ffn", f"{self.n_dense_layers} dense layers need a width", "set dense_ffn >= 1")
 
-# %% ../nbs/02_config.ipynb #76d87f83
+# %% ../nbs/02_config.ipynb #c91c05e1
 DEFAULT_FILTERS = {"min_words": 3, "max_words": 200_000, "max_symbol_ratio": 0.1, "max_digit_ratio": 0.25,
                    "max_dup_line_fraction": 0.3, "max_top_2gram_fraction": 0.2, "max_dup_5gram_fraction": 0.3,
                    "min_mean_word_length": 2.5, "max_mean_word_length": 12.0}
@@ -232,6 +233,7 @@ def _weight_problems(weights: dict[str, float], key: str):
     if not any(w > 0 for w in weights.values()):
         yield Problem(key, "has no positive weight", "give at least one domain a positive weight")
 
+# %% ../nbs/02_config.ipynb #43ce74d3
 @dataclass
 class DataConfig(Section):
     dir: str = "data"                      # the raw corpus (marin-study data collect; tracked by data.dvc)
@@ -376,7 +378,7 @@ class Params:
 SECTIONS: dict[str, type[Section]] = get_type_hints(Params)
 REQUIRED_SECTIONS = [f.name for f in dataclasses.fields(Params) if f.default_factory is dataclasses.MISSING]
 
-# %% ../nbs/02_config.ipynb #27b3aa56
+# %% ../nbs/02_config.ipynb #0e9e8a04
 def _key_lines(node: yaml.Node, source: str, prefix: str = "", out: dict | None = None, problems: list | None = None):
     "Map each dotted key of a YAML mapping node to `file:line`, and note duplicate keys."
     out = {} if out is None else out
@@ -391,6 +393,7 @@ def _key_lines(node: yaml.Node, source: str, prefix: str = "", out: dict | None 
             _key_lines(value_node, source, key + ".", out, problems)
     return out
 
+# %% ../nbs/02_config.ipynb #6b48b1cd
 def _unknown(key: str, name: str, choices, prefix: str = "") -> Problem:
     "An unknown-key problem with a did-you-mean, or the list of valid names."
     close = difflib.get_close_matches(name, list(choices), n=1)
@@ -432,6 +435,7 @@ def _apply_override(raw: dict, override: str, origins: dict, problems: list):
     except yaml.YAMLError as e:
         problems.append(Problem(key, f"value {text!r} is not valid YAML ({getattr(e, 'problem', e)})", "quote or fix the value"))
 
+# %% ../nbs/02_config.ipynb #c0ed1ec4
 def params_from_dict(raw: Any, source: str = "<dict>", origins: dict[str, str] | None = None,
                      problems: list[Problem] | None = None) -> Params:
     "Build and validate `Params` from a plain mapping; raise one `ConfigError` listing every problem."
@@ -461,6 +465,7 @@ def params_from_dict(raw: Any, source: str = "<dict>", origins: dict[str, str] |
     try: return Params(**sections)
     except ConfigError as e: raise ConfigError(e.problems, source, origins) from None
 
+# %% ../nbs/02_config.ipynb #e0fce40d
 def load_params(path: str | os.PathLike, overrides: list[str] | None = None) -> Params:
     "Load, override (`['train.lr=3.0e-4']`) and validate a params YAML file."
     path, source = Path(path), str(path)

@@ -52,7 +52,7 @@ def slurm_errors(partition: str) -> list[str]:
         return [f"launch.partition is empty and the cluster has no default partition; pick one of {', '.join(names)}"]
     return []
 
-# %% ../nbs/11_launch.ipynb #b956ba84
+# %% ../nbs/11_launch.ipynb #49048c80
 LAUNCHERS = ("accelerate", "torchrun", "srun")
 SIGNAL_LEAD = 600  # seconds before the time limit: a step, a checkpoint and a margin
 
@@ -64,6 +64,7 @@ def signal_lead(time_limit: str) -> int:
     seconds = parts[0] * 60 if len(parts) == 1 else sum(x * 60**i for i, x in enumerate(reversed(parts)))
     return max(60, min(SIGNAL_LEAD, (seconds + int(days or 0) * 86400) // 4))  # Slurm signals at minute resolution
 
+# %% ../nbs/11_launch.ipynb #1cd4862d
 def _task_command(params: Params, launcher: str, run_dir: Path) -> str:
     "What one Slurm task runs (`\\$` waits for the task's own shell); launchers ignore USR1, the ranks handle it."
     n = params.launch
@@ -91,6 +92,7 @@ def _preamble(params: Params, comment: str, sbatch: list[str], project: str | Pa
     lines += [f"export {k}={shlex.quote(v)}" for k, v in n.env.items()]
     return lines + [f"cd {shlex.quote(str(Path(project).absolute()))}"]
 
+# %% ../nbs/11_launch.ipynb #aa62dbf6
 def render_sbatch(params: Params, run_dir: str | Path, launcher: str = "accelerate", job_name: str = "marin-study",
                   project: str | Path = ".", commit: str = "unknown") -> str:
     "The sbatch script that trains `params` in `run_dir` (which holds `launch/params.yaml` once submitted)."
@@ -174,7 +176,7 @@ def launch_slurm(params_path: str | Path, overrides: list[str] | None = None, ru
     atomic_write(folder / "launch.json", json.dumps(record, indent=1) + "\n")
     return script, job
 
-# %% ../nbs/11_launch.ipynb #af81a503
+# %% ../nbs/11_launch.ipynb #2b0097d3
 TASK_OUTPUTS = {"summary_json": "summary.json", "runs_root": "run", "metrics_copy": "metrics.jsonl",
                 "loss_plot": "loss.png", "curve_csv": "curve.csv", "findings_json": "findings.json"}
 
@@ -215,6 +217,7 @@ def sweep_tasks(params_path: Path, notebook: Path, grid: dict[str, list]) -> lis
                       "parameters": {k: v for k, v in point.items() if "." not in k}})
     return tasks
 
+# %% ../nbs/11_launch.ipynb #272e3e24
 def render_array(out: Path, tasks: list[dict], params: Params, job_name: str, project: str | Path = ".") -> str:
     "The job array: task N papermill-runs the study for grid point N."
     options = [f"--job-name={job_name}", f"--array=0-{len(tasks) - 1}", "--nodes=1", "--ntasks=1",

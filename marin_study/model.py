@@ -111,7 +111,7 @@ class Experts(nn.Module):
         gate_MF, up_MF = mm(x_MD, self.gate_up_EDF.to(x_MD.dtype)).chunk(2, dim=-1)
         return mm(F.silu(gate_MF) * up_MF, self.down_EFD.to(x_MD.dtype))
 
-# %% ../nbs/05_model.ipynb #5447d82e
+# %% ../nbs/05_model.ipynb #0505579f
 class PermuteRows(torch.autograd.Function):
     "`x[perm]` whose backward is the gather `grad[inverse]`, not a scatter-add (permutations never collide)."
     @staticmethod
@@ -129,6 +129,7 @@ class RouterStats(NamedTuple):  # a NamedTuple: ZeRO-3 finds the tensors inside 
     aux_loss: torch.Tensor | None
     z_loss: torch.Tensor | None
 
+# %% ../nbs/05_model.ipynb #3f4bc6b1
 class MoE(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -221,7 +222,7 @@ class CrossEntropyZLoss(torch.autograd.Function):
         grad_NV.scatter_add_(1, safe_N[:, None], (-(keep_N * grad_ce) / n)[:, None])
         return grad_NV.to(ctx.logits_dtype), None
 
-# %% ../nbs/05_model.ipynb #d3bcf8b2
+# %% ../nbs/05_model.ipynb #ec33b5c9
 class ModelOutput(NamedTuple):
     logits: torch.Tensor                       # (B, T, V)
     loss: torch.Tensor | None = None           # the training objective
@@ -247,6 +248,7 @@ class Block(nn.Module):
 
 RESIDUAL_OUTPUTS = ("attn.out.weight", "down.weight", "experts.down_EFD", "latent_up.weight")
 
+# %% ../nbs/05_model.ipynb #00e66729
 class Transformer(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -303,6 +305,7 @@ class Transformer(nn.Module):
         if router_z is not None: loss = loss + self.cfg.router_z_loss_weight * router_z
         return ModelOutput(logits_BTV, loss, ce, logit_z, aux, router_z, load)
 
+# %% ../nbs/05_model.ipynb #c04384cd
 def use_grouped_mm(model: nn.Module, enabled: bool = True) -> nn.Module:
     "Switch every expert group of `model` between `torch._grouped_mm` and the per-expert loop."
     if enabled and not HAS_GROUPED_MM: raise RuntimeError(f"torch {torch.__version__} has no torch._grouped_mm")

@@ -147,7 +147,7 @@ def step_time(params: Params, layout: Layout, dev: Device, efficiency: float = 0
     return StepTime(compute, busy * (pipeline - 1), tp_comm, ep_comm, pp_comm, dp_comm, total,
                     model_flops / (total * L.world * dev.peak_flops))
 
-# %% ../nbs/09_parallelism.ipynb #200224e8
+# %% ../nbs/09_parallelism.ipynb #bc95503f
 @dataclass(frozen=True)
 class Candidate:
     layout: Layout
@@ -163,6 +163,7 @@ class Candidate:
                 "memory_per_gpu_bytes": M.total, **{f"{k}_bytes": v for k, v in dataclasses.asdict(M).items()},
                 "step_s": self.time.total, "mfu": self.time.mfu}
 
+# %% ../nbs/09_parallelism.ipynb #33513cb3
 @dataclass
 class Plan:
     params: Params
@@ -240,6 +241,7 @@ class Plan:
                 "candidates": [c.row() for c in self.candidates if c.fits][:10],
                 "rejected": len([c for c in self.candidates if not c.fits])}
 
+# %% ../nbs/09_parallelism.ipynb #b41065f8
 def _divisors(n: int, limit: int | None = None) -> list[int]:
     return [d for d in range(1, (limit or n) + 1) if n % d == 0]
 

@@ -116,7 +116,7 @@ def heldout_share(grams: set[bytes], heldout: set[bytes]) -> float:
     "Share of a document's n-grams that occur in held-out text (0 for a document shorter than n words)."
     return len(grams & heldout) / len(grams) if grams else 0.0
 
-# %% ../../nbs/06b_clean.ipynb #ae23cf3c
+# %% ../../nbs/06b_clean.ipynb #9d1e2a06
 def _load_raw(raw_dir: Path) -> list[dict]:
     files = sorted(raw_dir.glob("train/*.jsonl")) + sorted(raw_dir.glob("heldout/*.jsonl"))
     if not files:
@@ -130,6 +130,7 @@ def _load_raw(raw_dir: Path) -> list[dict]:
             docs.append({**doc, "heldout_source": path.parent.name == "heldout"})
     return docs
 
+# %% ../../nbs/06b_clean.ipynb #bda6f438
 def clean_corpus(raw_dir: str | os.PathLike, out_dir: str | os.PathLike, cfg: DataConfig) -> dict:
     "Normalise, filter, hold out and deduplicate the raw corpus; return (and write) the report."
     raw_dir, out_dir = Path(raw_dir), Path(out_dir)

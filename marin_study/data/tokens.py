@@ -56,7 +56,7 @@ def bytes_per_token(tokenizer: Tokenizer, clean_dir: str | os.PathLike, split: s
         out[domain] = sum(len(t.encode()) for t in texts) / max(tokens, 1)
     return out
 
-# %% ../../nbs/06c_tokens.ipynb #8f785a69
+# %% ../../nbs/06c_tokens.ipynb #76f6c361
 def token_dtype(vocab_size: int, requested: str = "auto") -> np.dtype:
     "The shard dtype: the smallest that holds every id, or the requested one if it does."
     fits = {"uint16": vocab_size <= 2**16, "uint32": vocab_size <= 2**32}
@@ -66,6 +66,7 @@ def token_dtype(vocab_size: int, requested: str = "auto") -> np.dtype:
                         f"(at most {2**(16 if requested == 'uint16' else 32):,}); use 'uint32' or 'auto'")
     return np.dtype(requested)
 
+# %% ../../nbs/06c_tokens.ipynb #731aeec5
 def pack_split(clean_dir, tokenizer: Tokenizer, out_dir, split: str, dtype: np.dtype, batch_docs: int = 512) -> dict:
     "Encode every domain of `split` into a shard; return its metadata."
     eod = tokenizer.token_to_id(EOD)
@@ -92,6 +93,7 @@ def _npy_bytes(array: np.ndarray) -> bytes:
     np.save(buffer, array)
     return buffer.getvalue()
 
+# %% ../../nbs/06c_tokens.ipynb #91f86468
 def shard_meta(folder: str | os.PathLike) -> dict:
     path = Path(folder) / "meta.json"
     if not path.is_file(): raise DataError(f"{folder}: no meta.json; run `marin-study data pack` first")
