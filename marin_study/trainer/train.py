@@ -3,7 +3,6 @@
 # %% ../../nbs/07j_train.ipynb #356d04f0
 from __future__ import annotations
 
-import json
 import os
 import time
 from contextlib import nullcontext
@@ -17,19 +16,18 @@ from ..config import Params, dump_params
 from ..data.mixture import make_loader
 from ..model import Transformer
 from .callbacks import Callback, MemoryCensus, Progress, SignalStop, TensorBoard
-from .checkpoint import verify
 from .checkpointer import Checkpointer
 from .evaluation import HeldOut
 from .metrics import (
     AUX_LOSS, BAD_STEPS, EVAL_LOSS, GRAD_NORM, LOGIT_Z_LOSS, LOSS, LR, MOE_BIAS_NORM, MOE_MAX_LOAD, MOE_MIN_LOAD,
     ROUTER_Z_LOSS, SKIP_REASON, SKIPPED, STEP, TOKENS, MetricsLog, Throughput)
 from .optim import GuardedAdamW, StepGuard, param_groups
-from .processes import TrainError, join_processes, make_accelerator
+from .processes import join_processes, make_accelerator
 from .schedule import lr_at
 from ..utils import atomic_write
 
 # %% auto #0
-__all__ = ['build_engine', 'Trainer', 'train', 'load_weights']
+__all__ = ['build_engine', 'Trainer', 'train']
 
 # %% ../../nbs/07j_train.ipynb #b66e89e9
 def build_engine(params: Params, accelerator) -> tuple[object, GuardedAdamW, StepGuard]:
@@ -140,7 +138,7 @@ class Trainer:
         self.engine.destroy()
         if dist.is_initialized(): dist.destroy_process_group()
 
-# %% ../../nbs/07j_train.ipynb #ae7fa373
+# %% ../../nbs/07j_train.ipynb #ea602d9c
 def train(params: Params, run_dir: str | os.PathLike, until: int | None = None,
           callbacks: Sequence[Callback] = ()) -> list[dict]:
     "Train (or resume) the run in `run_dir`; the library's entry point behind `marin-study train`."
@@ -151,12 +149,3 @@ def train(params: Params, run_dir: str | os.PathLike, until: int | None = None,
         return trainer.fit()
     finally:
         trainer.close()
-
-def load_weights(checkpoint: str | os.PathLike) -> dict[str, torch.Tensor]:
-    "The fp32 weights and buffers of a checkpoint folder, whatever its ZeRO stage and number of processes."
-    folder = Path(checkpoint)
-    if (problem := verify(folder)) is not None: raise TrainError(f"{folder}: {problem}")
-    if json.loads((folder / "trainer.json").read_text())["zero_stage"] == 0:
-        return torch.load(folder / "deepspeed/mp_rank_00_model_states.pt", map_location="cpu", weights_only=False)["module"]
-    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
-    return get_fp32_state_dict_from_zero_checkpoint(str(folder), tag="deepspeed")
