@@ -107,7 +107,8 @@ def _fail(error: Exception) -> int:
 
 def _train(args) -> None:
     from marin_study.trainer.optim import BadStepsError  # imported here: torch would slow every other command
-    from marin_study.trainer.train import TrainError, train
+    from marin_study.trainer.processes import TrainError
+    from marin_study.trainer.train import train
     try: records = train(load_params(args.params, args.set), args.run_dir, until=args.until)
     except (TrainError, BadStepsError) as e: raise SystemExit(_fail(e)) from None
     if records and int(os.environ.get("RANK", 0)) == 0:
@@ -174,7 +175,30 @@ def _book(args) -> None:
     index = render_book(args.nbs, args.out, kernel=args.kernel)
     print(f"rendered {len(book_chapters(args.nbs))} chapters; open {index}")
 
-# %% ../nbs/90_cli.ipynb #438571c8
+# %% ../nbs/90_cli.ipynb #61ff4e79
+def _export(args) -> None:
+    from marin_study.export import ExportError, export
+    try: record = export(args.run_dir, args.out, args.step, args.dtype, args.max_shard_size, args.tokenizer, not args.custom)
+    except ExportError as e: raise SystemExit(_fail(e)) from None
+    print(f"exported step {record['step']} of {args.run_dir} to {args.out} as {record['why']}")
+
+def _generate(args) -> None:
+    from marin_study.export import ExportError
+    from marin_study.generate import Sampling, generate_batch, generate_file, load_generator
+    from marin_study.utils import JsonLinesError
+    sampling = Sampling(args.max_new_tokens, args.temperature, args.top_p, args.top_k, args.repetition_penalty, args.seed)
+    if (args.prompt is None) == (args.prompts is None) or (args.prompts is not None) != (args.out is not None):
+        raise SystemExit(_fail(ValueError("give either --prompt TEXT, or --prompts FILE.jsonl with --out FILE.jsonl")))
+    try:
+        if args.prompts:
+            made, skipped = generate_file(args.export_dir, args.prompts, args.out, sampling, args.batch_size)
+            print(f"generated {made} completions into {args.out}" + (f"; {skipped} were already there" if skipped else ""))
+            return
+        model, tokenizer = load_generator(args.export_dir)
+        print(args.prompt + generate_batch(model, tokenizer, [args.prompt], sampling)[0]["completion"])
+    except (ExportError, JsonLinesError) as e: raise SystemExit(_fail(e)) from None
+
+# %% ../nbs/90_cli.ipynb #b2d34797
 def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="marin-study", description="Study, validate and launch MoE pretraining.")
     ap.add_argument("--local_rank", "--local-rank", type=int, help=argparse.SUPPRESS)  # the deepspeed launcher adds it
@@ -258,6 +282,30 @@ def parser() -> argparse.ArgumentParser:
     book.add_argument("--out", default="reports/book", help="where to write the book (default: reports/book)")
     book.add_argument("--kernel", default="marin-study", help="the Jupyter kernel that runs the chapters")
     book.set_defaults(run=_book)
+
+    exp = sub.add_parser("export", help="export a run's checkpoint as a Hugging Face folder (safetensors, config, tokenizer)")
+    exp.add_argument("run_dir", help="the run folder (it holds checkpoints/)")
+    exp.add_argument("--out", required=True, help="the folder to create; it must not exist or be empty")
+    exp.add_argument("--step", type=int, help="the checkpoint's step (default: the newest that verifies)")
+    exp.add_argument("--dtype", default="fp32", help="fp32 or bf16 (default: fp32)")
+    exp.add_argument("--max-shard-size", default="5GB", help="largest safetensors file (default: 5GB)")
+    exp.add_argument("--tokenizer", help="tokenizer.json (default: the run's data.out_dir/tokenizer.json)")
+    exp.add_argument("--custom", action="store_true", help="always the kit's MarinForCausalLM, even when a native class fits")
+    exp.set_defaults(run=_export)
+
+    gen = sub.add_parser("generate", help="continue a prompt, or a JSON-lines file of prompts, with an exported model")
+    gen.add_argument("export_dir", help="a folder written by `marin-study export`")
+    gen.add_argument("--prompt", help="one prompt; its continuation is printed")
+    gen.add_argument("--prompts", help="a JSON-lines file of {\"id\", \"prompt\"} (or \"messages\") to generate in batches")
+    gen.add_argument("--out", help="JSON-lines results of --prompts; a rerun skips the ids already there")
+    gen.add_argument("--max-new-tokens", type=int, default=64)
+    gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--top-k", type=int, default=0)
+    gen.add_argument("--repetition-penalty", type=float, default=1.0)
+    gen.add_argument("--seed", type=int, default=0)
+    gen.add_argument("--batch-size", type=int, default=8)
+    gen.set_defaults(run=_generate)
     return ap
 
 # %% ../nbs/90_cli.ipynb #3615755b

@@ -11,10 +11,10 @@ from pathlib import Path
 from typing import Any, Iterable, Iterator
 
 # %% auto #0
-__all__ = ['atomic_write', 'JsonLinesError', 'json_lines', 'write_jsonl', 'split_assignment', 'progress']
+__all__ = ['current_umask', 'atomic_write', 'JsonLinesError', 'json_lines', 'write_jsonl', 'split_assignment', 'progress']
 
 # %% ../nbs/00_utils.ipynb #58e97b02
-def _umask() -> int:
+def current_umask() -> int:
     mask = os.umask(0)
     os.umask(mask)
     return mask
@@ -25,7 +25,7 @@ def atomic_write(path: str | os.PathLike, data: str | bytes) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
-        os.chmod(tmp, path.stat().st_mode & 0o777 if path.exists() else 0o666 & ~_umask())
+        os.chmod(tmp, path.stat().st_mode & 0o777 if path.exists() else 0o666 & ~current_umask())
         with os.fdopen(fd, "wb") as f:
             f.write(data.encode() if isinstance(data, str) else data)
             f.flush()

@@ -1,6 +1,7 @@
 import dataclasses
 import os
 import shutil
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -103,3 +104,46 @@ def slurm():
         started = True
     yield
     if started: subprocess.run([ROOT / "tests/slurm/harness.sh", "down"], capture_output=True, timeout=120)
+
+
+# Training runs shared by the trainer, export and generation tests: made once per session, on first use.
+STEPS = 8
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def command(launcher: str, params: Path, run_dir: Path, *sets: str, procs: int = 2, until: int = 0) -> list[str]:
+    "`marin-study train` under one of the launchers a researcher uses."
+    train = ["train", str(params), "--run-dir", str(run_dir)] + [a for s in sets for a in ("--set", s)]
+    train += ["--until", str(until)] if until else []
+    port = str(free_port())
+    prefix = {"alone": [],
+              "torchrun": [BIN / "torchrun", "--nproc_per_node", str(procs), "--master_port", port, "--no-python"],
+              "accelerate": [BIN / "accelerate", "launch", "--use_deepspeed", "--num_processes", str(procs),
+                             "--main_process_port", port, "--no_python"],
+              "deepspeed": [BIN / "deepspeed", "--num_gpus", str(procs), "--master_port", port, "--no_python"]}[launcher]
+    return [str(a) for a in prefix] + [str(BIN / "marin-study")] + train
+
+
+@pytest.fixture(scope="session")
+def params_file(pipeline, tmp_path_factory) -> Path:
+    "The tiny model on the small real corpus, cut down so a 2-process step takes a fraction of a second."
+    from marin_study.config import save_params
+    p = quick_params(pipeline["params"], steps=STEPS, checkpoint_every=2, keep_checkpoints=10, eval_every=4, eval_samples=4)
+    return save_params(p, tmp_path_factory.mktemp("params") / "train.yaml")
+
+
+@pytest.fixture(scope="session")
+def reference(params_file, tmp_path_factory):
+    "Uninterrupted 2-process runs under torchrun, one per ZeRO stage, made once."
+    runs = {}
+    def get(zero: int) -> Path:
+        if zero not in runs:
+            runs[zero] = tmp_path_factory.mktemp(f"zero{zero}")
+            run(command("torchrun", params_file, runs[zero], f"parallel.zero_stage={zero}"))
+        return runs[zero]
+    return get
