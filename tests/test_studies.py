@@ -117,7 +117,17 @@ def test_dvc_repro_trains_the_tiny_study_reports_on_it_and_a_second_repro_resume
     assert "resumed from" in html  # the second leg continued from the half-way checkpoint
     assert (project_copy / "reports/train_tiny_loss.png").stat().st_size > 10_000
     assert "eval_bpb" in run(["dvc", "metrics", "show"], cwd=project_copy).stdout
-    (runs,) = (project_copy / "runs/tiny/run").iterdir()
+    runs = project_copy / "runs/tiny/run" / (project_copy / "runs/tiny/run/LATEST").read_text().strip()
+    assert {p.name for p in (project_copy / "runs/tiny/run").iterdir()} == {runs.name, "LATEST"}
+    # the run leaves the kit: exported as a Hugging Face folder, and what it writes rendered
+    result = run(["dvc", "repro", "generate"], cwd=project_copy)
+    assert "Running stage 'export'" in result.stdout and "Running stage 'generate'" in result.stdout
+    record = json.loads((project_copy / "runs/tiny/export/marin_export.json").read_text())
+    assert record["step"] == 300 and record["source_run"] == str(runs.resolve())
+    samples = [json.loads(l) for l in (project_copy / "reports/generate_tiny.jsonl").read_text().splitlines()]
+    assert {s["domain"] for s in samples} >= {"web", "code", "chat"} and all(s["completion"].strip() for s in samples)
+    html = (project_copy / "reports/generate_tiny.html").read_text()
+    assert not remote_references(html) and "greedy tokens equal" in html and "sampled" in html
     run(["dvc", "repro", "--force", "train"], cwd=project_copy)  # the persistent run is found, nothing retrains
     assert len(MetricsLog(runs / "metrics.jsonl").read()) == 300
     assert "Data and pipelines are up to date" in run(["dvc", "status", "train"], cwd=project_copy).stdout
