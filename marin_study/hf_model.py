@@ -201,7 +201,7 @@ class MarinPreTrainedModel(PreTrainedModel):
         elif isinstance(module, MarinMoE): init.zeros_(module.balance_bias)
         elif isinstance(module, MarinRotary): init.copy_(module.inv_freq, MarinRotary.inverse_frequencies(self.config))
 
-# %% ../nbs/13a_hf_model.ipynb #8a3a75c3
+# %% ../nbs/13a_hf_model.ipynb #9cef38d1
 class MarinModel(MarinPreTrainedModel):
     def __init__(self, config: MarinConfig):
         super().__init__(config)
@@ -214,6 +214,7 @@ class MarinModel(MarinPreTrainedModel):
     def forward(self, input_ids=None, attention_mask=None, position_ids=None, cache: Cache | None = None,
                 inputs_embeds=None, use_cache=None, **kwargs) -> BaseModelOutputWithPast:
         x_BTD = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
+        use_cache = self.config.use_cache if use_cache is None else use_cache
         if use_cache and cache is None: cache = DynamicCache(config=self.config)
         if position_ids is None:
             past = cache.get_seq_length() if cache is not None else 0
@@ -226,7 +227,7 @@ class MarinModel(MarinPreTrainedModel):
         cos_sin = self.rotary(x_BTD, position_ids.expand(x_BTD.shape[0], -1))
         for layer, kind in zip(self.layers, self.config.layer_types):
             x_BTD = layer(x_BTD, cos_sin, masks[kind], cache, **kwargs)
-        return BaseModelOutputWithPast(last_hidden_state=self.norm(x_BTD), cache=cache if use_cache else None)
+        return BaseModelOutputWithPast(last_hidden_state=self.norm(x_BTD), cache=cache)
 
 class MarinForCausalLM(MarinPreTrainedModel, GenerationMixin):
     _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}

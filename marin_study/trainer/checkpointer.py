@@ -56,7 +56,7 @@ def newest_valid(checkpoints: Checkpoints) -> tuple[Path | None, dict | None]:
         if step > int(folder.name.removeprefix("step-")): os.replace(damaged, damaged.with_name(damaged.name + ".damaged"))
     return folder, json.loads((folder / "trainer.json").read_text())
 
-# %% ../../nbs/07h_checkpointer.ipynb #c86fabfa
+# %% ../../nbs/07h_checkpointer.ipynb #d97ac077
 def rng_state() -> dict:
     "This process's random generators: Python, NumPy, torch and every CUDA device."
     return {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state(),
@@ -71,6 +71,8 @@ def set_rng_state(state: dict) -> None:
 
 def to_universal(folder: Path, out: Path) -> None:
     "Convert the DeepSpeed shards of checkpoint `folder` into a universal checkpoint in `out`, for any world size."
+    with safe_loading():  # DeepSpeed's converter unpickles in its own process: every file is read weights-only first
+        for path in sorted((folder / "deepspeed").glob("*.pt")): torch.load(path, map_location="cpu")
     shutil.rmtree(out, ignore_errors=True)
     done = subprocess.run([sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder",
                            str(folder / "deepspeed"), "--output_folder", str(out / "deepspeed"),
@@ -94,7 +96,7 @@ class Resume:
     state: dict
     convert: bool
 
-# %% ../../nbs/07h_checkpointer.ipynb #19d5f147
+# %% ../../nbs/07h_checkpointer.ipynb #483e9eb8
 class Checkpointer:
     "One run's checkpoints on every rank: the one to resume, restoring it, and saving new ones on schedule."
     def __init__(self, params: Params, run_dir: str | os.PathLike, rank: int, world_size: int, metrics: MetricsLog,
@@ -130,14 +132,14 @@ class Checkpointer:
             if self.rank == 0: self.metrics.truncate(0)  # lines of a run killed before its first checkpoint
             return 0
         folder, state, load_dir = resume.folder, resume.state, resume.folder
-        if resume.convert:
-            load_dir = self.checkpoints.root / f".universal-{folder.name}"
-            if self.rank == 0:
-                say(f"converting {folder} ({state['world_size']} processes, ZeRO {state['zero_stage']}) to a "
-                    f"universal checkpoint for {self.world_size} processes")
-                to_universal(folder, load_dir)
-            self.barrier()
         try:
+            if resume.convert:
+                load_dir = self.checkpoints.root / f".universal-{folder.name}"
+                if self.rank == 0:
+                    say(f"converting {folder} ({state['world_size']} processes, ZeRO {state['zero_stage']}) to a "
+                        f"universal checkpoint for {self.world_size} processes")
+                    to_universal(folder, load_dir)
+                self.barrier()
             with safe_loading():
                 loaded, _ = engine.load_checkpoint(str(load_dir), tag="deepspeed", load_lr_scheduler_states=False)
                 if loaded is None: raise TrainError(f"DeepSpeed could not load the checkpoint in {load_dir}")
