@@ -9,10 +9,10 @@ import nbformat
 import pandas as pd
 import pytest
 
-from conftest import BIN, ROOT, quick_params, run
+from conftest import BIN, ROOT, command, quick_params, run
 from marin_study.config import save_params
 from marin_study.trainer.metrics import MetricsLog
-from test_trainer import command, losses
+from test_trainer import losses
 
 STEPS = 16
 FINAL = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL", "DEADLINE")

@@ -6,7 +6,7 @@ import textwrap
 import pytest
 
 from conftest import BIN, ROOT, quick_params, run
-from test_trainer import free_port
+from conftest import free_port
 from marin_study.config import ModelConfig, load_params
 from marin_study.hardware import GB, HARDWARE, HardwareError
 from marin_study.layout import Layout, layout_refusals
