@@ -128,7 +128,8 @@ def test_dvc_repro_trains_the_tiny_study_reports_on_it_and_a_second_repro_resume
     assert {s["domain"] for s in samples} >= {"web", "code", "chat"} and all(s["completion"].strip() for s in samples)
     html = (project_copy / "reports/generate_tiny.html").read_text()
     assert not remote_references(html) and "greedy tokens equal" in html and "sampled" in html
-    run(["dvc", "repro", "--force", "train"], cwd=project_copy)  # the persistent run is found, nothing retrains
+    # the persistent run is found, nothing retrains (--single-item: --force alone reruns the data stages too)
+    run(["dvc", "repro", "--force", "--single-item", "train"], cwd=project_copy)
     assert len(MetricsLog(runs / "metrics.jsonl").read()) == 300
     assert "Data and pipelines are up to date" in run(["dvc", "status", "train"], cwd=project_copy).stdout
     # the same study as a DVC experiment with -S overrides (what `dvc exp run --queue` would queue), shorter and on
