@@ -14,6 +14,7 @@ from marin_study.data.clean import clean_corpus, contamination, first_failed_fil
 from marin_study.data.corpus import DataError, read_jsonl
 from marin_study.data.mixture import BLOCK, Feistel, Mixture, StepSampler, make_loader
 from marin_study.data.tokens import EOD, Shard, bytes_per_token, load_tokenizer, token_dtype
+from marin_study.utils import write_jsonl
 
 PARAMS = load_params(ROOT / "params/tiny.yaml")
 
@@ -319,3 +320,23 @@ def test_a_training_document_quoting_part_of_a_heldout_one_is_dropped(pipeline, 
     kept = {d["id"] for p in (tmp_path / "clean").glob("*/*.jsonl") for d in read_jsonl(p)}
     assert "fortunes/planted" not in kept and report["quotes"]["decontam:ngram_docs"] >= 1
     assert contamination(tmp_path / "clean", cfg) == []
+
+
+def test_a_heldout_document_quoted_whole_inside_a_long_training_one_leaves_the_heldout_split(pipeline, tmp_path):
+    "The other direction: the training document is mostly its own text (kept), the held-out entry all training text."
+    import shutil
+    raw = tmp_path / "raw"
+    shutil.copytree(pipeline["raw"], raw)
+    entry = next(d for d in read_jsonl(raw / "heldout/devils-dictionary.jsonl") if 40 <= len(d["text"].split()) <= 80)
+    bible = list(read_jsonl(raw / "train/bible-kjv.jsonl"))
+    host = max(bible, key=lambda d: len(d["text"]))
+    host["text"] += "\n\n" + entry["text"]  # in place: a copy of the host would go as its near-duplicate
+    write_jsonl(raw / "train/bible-kjv.jsonl", bible)
+    cfg = pipeline["params"].data
+    report = clean_corpus(raw, tmp_path / "clean", cfg)
+    kept = {d["id"] for p in (tmp_path / "clean").glob("*/*.jsonl") for d in read_jsonl(p)}
+    assert host["id"] in kept and entry["id"] not in kept
+    assert report["books"]["decontam:heldout_docs"] >= 1
+    assert contamination(tmp_path / "clean", cfg) == []
+    (tmp_path / "clean/heldout/books.jsonl").open("a").write(json.dumps(entry) + "\n")
+    assert ("contained", host["id"], entry["id"]) in contamination(tmp_path / "clean", cfg)

@@ -131,6 +131,40 @@ def _load_raw(raw_dir: Path) -> list[dict]:
     return docs
 
 # %% ../../nbs/06b_clean.ipynb #bda6f438
+def _deduplicate(docs: list[dict], cfg: DataConfig, count) -> dict[str, dict[str, list[dict]]]:
+    "Drop duplicates and contamination, held-out documents first; the kept ones by split and domain."
+    lsh = MinHashLSH(threshold=cfg.dedup_threshold, num_perm=cfg.dedup_num_perm)
+    seen, signatures, kept = set(), {}, {"train": defaultdict(list), "heldout": defaultdict(list)}
+    heldout_grams: set[bytes] = set()
+    in_training: set[bytes] = set()  # the held-out n-grams that kept training documents hold too
+    held_out = []
+    def keep(doc):
+        count(doc, doc["split"])
+        kept[doc["split"]][doc["domain"]].append({k: doc[k] for k in ("id", "domain", "source", "license", "group", "text")})
+    for doc in progress(docs, desc="dedup", unit="doc"):
+        digest = hashlib.sha256(doc["text"].encode()).hexdigest()
+        if digest in seen:
+            count(doc, "dedup:exact"); continue
+        signature = minhash(doc["text"], cfg)
+        if any(signature.jaccard(signatures[other]) >= cfg.dedup_threshold for other in lsh.query(signature)):
+            count(doc, "dedup:near"); continue
+        grams = ngram_hashes(doc["text"], cfg.decontam_ngram)
+        if doc["split"] == "heldout": heldout_grams |= grams
+        elif heldout_share(grams, heldout_grams) >= cfg.decontam_fraction:
+            count(doc, "decontam:ngram"); continue
+        seen.add(digest)
+        signatures[doc["id"]] = signature
+        lsh.insert(doc["id"], signature)
+        if doc["split"] == "heldout": held_out.append((doc, grams))
+        else:
+            in_training |= grams & heldout_grams
+            keep(doc)
+    for doc, grams in held_out:  # judged once all training text is known
+        if heldout_share(grams, in_training) >= cfg.decontam_fraction: count(doc, "decontam:heldout")
+        else: keep(doc)
+    return kept
+
+# %% ../../nbs/06b_clean.ipynb #f5a7b9c1
 def clean_corpus(raw_dir: str | os.PathLike, out_dir: str | os.PathLike, cfg: DataConfig) -> dict:
     "Normalise, filter, hold out and deduplicate the raw corpus; return (and write) the report."
     raw_dir, out_dir = Path(raw_dir), Path(out_dir)
@@ -151,27 +185,7 @@ def clean_corpus(raw_dir: str | os.PathLike, out_dir: str | os.PathLike, cfg: Da
     for doc in survivors:
         doc["split"] = "heldout" if doc.pop("heldout_source") or doc["group"] in held else "train"
     survivors.sort(key=lambda d: (d["split"] != "heldout", d["id"]))
-
-    lsh = MinHashLSH(threshold=cfg.dedup_threshold, num_perm=cfg.dedup_num_perm)
-    seen, signatures, kept = set(), {}, {"train": defaultdict(list), "heldout": defaultdict(list)}
-    heldout_grams: set[bytes] = set()
-    for doc in progress(survivors, desc="dedup", unit="doc"):
-        digest = hashlib.sha256(doc["text"].encode()).hexdigest()
-        if digest in seen:
-            count(doc, "dedup:exact"); continue
-        signature = minhash(doc["text"], cfg)
-        if any(signature.jaccard(signatures[other]) >= cfg.dedup_threshold for other in lsh.query(signature)):
-            count(doc, "dedup:near"); continue
-        grams = ngram_hashes(doc["text"], cfg.decontam_ngram)
-        if doc["split"] == "heldout": heldout_grams |= grams
-        elif heldout_share(grams, heldout_grams) >= cfg.decontam_fraction:
-            count(doc, "decontam:ngram"); continue
-        seen.add(digest)
-        signatures[doc["id"]] = signature
-        lsh.insert(doc["id"], signature)
-        count(doc, doc["split"])
-        kept[doc["split"]][doc["domain"]].append({k: doc[k] for k in ("id", "domain", "source", "license", "group", "text")})
-    for split, domains in kept.items():
+    for split, domains in _deduplicate(survivors, cfg, count).items():
         for domain, domain_docs in domains.items(): write_jsonl(out_dir / split / f"{domain}.jsonl", domain_docs)
     result = {domain: dict(sorted(c.items())) for domain, c in sorted(report.items())}
     atomic_write(out_dir / "report.json", json.dumps(result, indent=1) + "\n")
@@ -179,7 +193,7 @@ def clean_corpus(raw_dir: str | os.PathLike, out_dir: str | os.PathLike, cfg: Da
 
 # %% ../../nbs/06b_clean.ipynb #9e3203be
 def contamination(out_dir: str | os.PathLike, cfg: DataConfig) -> list[tuple[str, str, str]]:
-    "Training documents that duplicate a held-out one: (kind, train id, held-out id)."
+    "Training documents that duplicate a held-out one, or hold one's text: (kind, train id, held-out id)."
     out_dir = Path(out_dir)
     heldout = [d for p in sorted(out_dir.glob("heldout/*.jsonl")) for d in read_jsonl(p)]
     index, by_hash, signatures = MinHashLSH(threshold=cfg.dedup_threshold, num_perm=cfg.dedup_num_perm), {}, {}
@@ -189,7 +203,7 @@ def contamination(out_dir: str | os.PathLike, cfg: DataConfig) -> list[tuple[str
         index.insert(doc["id"], signatures[doc["id"]])
         by_hash[hashlib.sha256(doc["text"].encode()).hexdigest()] = doc["id"]
         for gram in ngram_hashes(doc["text"], cfg.decontam_ngram): gram_owner.setdefault(gram, doc["id"])
-    found = []
+    found, in_training = [], {}  # held-out n-gram -> a training document that holds it too
     for path in sorted(out_dir.glob("train/*.jsonl")):
         for doc in read_jsonl(path):
             twin = by_hash.get(hashlib.sha256(doc["text"].encode()).hexdigest())
@@ -201,4 +215,9 @@ def contamination(out_dir: str | os.PathLike, cfg: DataConfig) -> list[tuple[str
             shared = [gram_owner[g] for g in grams if g in gram_owner]
             if grams and len(shared) / len(grams) >= cfg.decontam_fraction:
                 found.append(("ngram", doc["id"], shared[0]))
+            for gram in grams & gram_owner.keys(): in_training.setdefault(gram, doc["id"])
+    for doc in heldout:
+        grams = ngram_hashes(doc["text"], cfg.decontam_ngram)
+        if heldout_share(grams, in_training.keys()) >= cfg.decontam_fraction:
+            found.append(("contained", in_training[next(g for g in grams if g in in_training)], doc["id"]))
     return found
