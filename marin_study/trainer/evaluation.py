@@ -16,20 +16,47 @@ from ..data.tokens import Shard, load_tokenizer, shard_dir, shard_meta
 from .metrics import EVAL_BPB, EVAL_LOSS, domain_key
 
 # %% auto #0
-__all__ = ['window_starts', 'rank_windows', 'token_bytes', 'HeldOut']
+__all__ = ['evenly', 'document_windows', 'rank_windows', 'shard_windows', 'token_bytes', 'HeldOut']
 
 # %% ../../nbs/07g_evaluation.ipynb #794bbaf4
-def window_starts(n_tokens: int, length: int, samples: int) -> list[int]:
-    "Up to `samples` starts of windows of `length` tokens spread evenly over `n_tokens`, the first and last included."
-    n = min(samples, n_tokens // length)
-    return [round(k * (n_tokens - length) / max(n - 1, 1)) for k in range(n)]
+def evenly(n: int, samples: int) -> list[int]:
+    "Up to `samples` of the indices 0..n-1, spread evenly, the first and last included."
+    m = min(samples, n)
+    return [round(k * (n - 1) / max(m - 1, 1)) for k in range(m)]
 
 
-def rank_windows(starts: list[int], rank: int, world_size: int) -> tuple[list[int], list[float]]:
-    "This rank's share of `starts`, padded to as many as every other rank's, and the weight of each (padding: 0)."
-    mine = starts[rank::world_size]
-    padded = mine + [starts[0]] * (math.ceil(len(starts) / world_size) - len(mine))
+def document_windows(document: np.ndarray, eod_id: int, length: int) -> list[tuple[np.ndarray, int]]:
+    "A document (its end-of-document token last) as windows of at most `length` + 1 tokens: (tokens, first scored)."
+    seq = np.concatenate([[eod_id], document])
+    windows = []
+    for first in range(1, len(seq), length):  # the first predicted token of each window; predictions never overlap
+        end = min(first + length, len(seq))
+        start = max(0, end - length - 1)  # as much earlier text as the window holds (more than one token in the last)
+        windows.append((seq[start:end], first - start))
+    return windows
+
+
+def rank_windows(picked: list[int], rank: int, world_size: int) -> tuple[list[int], list[float]]:
+    "This rank's share of `picked`, padded to as many as every other rank's, and the weight of each (padding: 0)."
+    mine = picked[rank::world_size]
+    padded = mine + [picked[0]] * (math.ceil(len(picked) / world_size) - len(mine))
     return padded, [1.0] * len(mine) + [0.0] * (len(padded) - len(mine))
+
+
+def shard_windows(shard: Shard, length: int, samples: int, rank: int, world_size: int):
+    "This rank's windows of a shard as (tokens_BW padded with -1, scored_BT: the targets that count, weight_B)."
+    ends = np.cumsum(-(-np.diff(shard.offsets) // length))  # after each document, the windows so far
+    chosen, weights = rank_windows(evenly(int(ends[-1]), samples), rank, world_size)
+    windows = []
+    for i in chosen:  # only the picked documents are cut: a held-out split can hold millions
+        k = int(np.searchsorted(ends, i, side="right"))
+        windows.append(document_windows(shard.document(k), shard.eod_id, length)[i - (int(ends[k - 1]) if k else 0)])
+    tokens_BW = np.full((len(windows), max(len(t) for t, _ in windows)), -1, dtype=np.int64)
+    scored_BT = np.zeros((len(windows), tokens_BW.shape[1] - 1), dtype=bool)
+    for row, (tokens, first) in enumerate(windows):
+        tokens_BW[row, :len(tokens)] = tokens
+        scored_BT[row, first - 1:len(tokens) - 1] = True
+    return torch.from_numpy(tokens_BW), torch.from_numpy(scored_BT), torch.tensor(weights)
 
 
 def token_bytes(tokenizer) -> torch.Tensor:
@@ -48,12 +75,9 @@ class HeldOut:
         self.bytes_V = token_bytes(load_tokenizer(Path(params.data.out_dir) / "tokenizer.json"))
         self.domains, self.windows = sorted(shard_meta(folder)["domains"]), {}
         for domain in self.domains:
-            tokens = Shard(folder, domain).tokens
-            length = min(seq + 1, len(tokens))  # a domain shorter than one window is evaluated whole
-            if length < 2: raise DataError(f"{folder}/{domain}.bin: {len(tokens)} tokens, too few to evaluate")
-            padded, weights = rank_windows(window_starts(len(tokens), length, samples), rank, world_size)
-            self.windows[domain] = (torch.from_numpy(np.stack([tokens[s:s + length] for s in padded]).astype(np.int64)),
-                                    torch.tensor(weights))
+            shard = Shard(folder, domain)
+            if len(shard.offsets) < 2: raise DataError(f"{folder}/{domain}.bin: no documents to evaluate; re-run `dvc repro pack`")
+            self.windows[domain] = shard_windows(shard, seq, samples, rank, world_size)
 
     def due(self, step: int) -> bool:
         "Whether the loop evaluates after `step`: every `train.eval_every` steps and at the run's last step."
@@ -64,26 +88,29 @@ class HeldOut:
         "eval/<domain>/loss (nats per token) and eval/<domain>/bpb, with their macro averages over domains."
         was_training = model.training
         model.eval()
-        sums = torch.zeros(len(self.domains), 3, dtype=torch.float64, device=device)  # nats, tokens, bytes
+        sums = torch.zeros(len(self.domains), 4, dtype=torch.float64, device=device)  # nats, tokens, text nats, bytes
         bytes_V = self.bytes_V.to(device)
         for d, domain in enumerate(self.domains):
-            windows_BT, weight_B = self.windows[domain]
-            for i in range(0, len(windows_BT), micro_batch):
-                batch_BT, w_B = windows_BT[i:i + micro_batch].to(device), weight_B[i:i + micro_batch].to(device)
-                with autocast: logits_BTV = model(batch_BT[:, :-1]).logits
-                targets_BT = batch_BT[:, 1:]
+            tokens_BW, scored_BT, weight_B = self.windows[domain]
+            for i in range(0, len(tokens_BW), micro_batch):
+                batch_BW, w_B = tokens_BW[i:i + micro_batch].to(device).clamp(min=0), weight_B[i:i + micro_batch].to(device)
+                scored = scored_BT[i:i + micro_batch].to(device)
+                with autocast: logits_BTV = model(batch_BW[:, :-1]).logits  # padding is on the right: no token sees it
+                targets_BT = batch_BW[:, 1:]
                 nats_BT = torch.nn.functional.cross_entropy(logits_BTV.float().flatten(0, 1), targets_BT.flatten(),
-                                                            reduction="none").view_as(targets_BT)
+                                                            reduction="none").view_as(targets_BT) * scored
+                bytes_BT = bytes_V[targets_BT] * scored
                 sums[d, 0] += (nats_BT.double().sum(1) * w_B).sum()
-                sums[d, 1] += (w_B * targets_BT.shape[1]).sum()
-                sums[d, 2] += (bytes_V[targets_BT].sum(1) * w_B).sum()
+                sums[d, 1] += (scored.sum(1) * w_B).sum()
+                sums[d, 2] += ((nats_BT.double() * (bytes_BT > 0)).sum(1) * w_B).sum()  # special tokens are no text
+                sums[d, 3] += (bytes_BT.sum(1) * w_B).sum()
         if dist.is_initialized(): dist.all_reduce(sums)
         model.train(was_training)
         out = {}
         for d, domain in enumerate(self.domains):
-            nats, tokens, nbytes = sums[d].tolist()
+            nats, tokens, text_nats, nbytes = sums[d].tolist()
             out[domain_key(EVAL_LOSS, domain)] = nats / tokens
-            out[domain_key(EVAL_BPB, domain)] = nats / math.log(2) / nbytes
+            out[domain_key(EVAL_BPB, domain)] = text_nats / math.log(2) / nbytes
         out[EVAL_LOSS] = sum(out[domain_key(EVAL_LOSS, d)] for d in self.domains) / len(self.domains)
         out[EVAL_BPB] = sum(out[domain_key(EVAL_BPB, d)] for d in self.domains) / len(self.domains)
         return out
