@@ -135,6 +135,18 @@ def _plan(args) -> None:
                                     "memory_per_gpu_gb", "step_s", "mfu", "days"]].to_string(index=False, float_format="%.3g"))
     if args.write_configs: print(f"wrote {', '.join(map(str, written))}", file=sys.stderr if args.json else sys.stdout)
 
+# %% ../nbs/90_cli.ipynb #c6e8a0b2
+def _data_evalset(args) -> None:
+    from marin_study.evaluate import EvalError, build_evalset, load_suite
+    p = load_params(args.params, args.set)
+    out = Path(p.data.out_dir) / "evalset"
+    try: counts = build_evalset(load_suite(), Path(p.data.out_dir) / "clean", out, p.data.seed, p.data.decontam_ngram,
+                                p.data.decontam_fraction)
+    except EvalError as e: raise SystemExit(_fail(e)) from None
+    for task, c in counts.items():
+        print(f"{task:16s} {c['documents']:5,} documents" + (f" ({c['dropped']} dropped: in the training text)" if c["dropped"] else ""))
+    print(f"written to {out}/, one JSON-lines file per task")
+
 # %% ../nbs/90_cli.ipynb #61c41112
 DEFAULT_SWEEP_NOTEBOOK = "nbs/studies/train_tiny.ipynb"
 
@@ -198,6 +210,44 @@ def _generate(args) -> None:
         print(args.prompt + generate_batch(model, tokenizer, [args.prompt], sampling)[0]["completion"])
     except (ExportError, JsonLinesError) as e: raise SystemExit(_fail(e)) from None
 
+# %% ../nbs/90_cli.ipynb #e8c2d4f6
+def _eval(args) -> None:
+    import pandas as pd
+    from marin_study.evaluate import EvalError, evaluate, evaluate_run
+    from marin_study.export import ExportError
+    target = Path(args.target)
+    options = dict(tasks=args.tasks or None, limit=args.limit, backend=args.backend, batch_size=args.batch_size,
+                   device=args.device, seed=args.seed, train_data=args.train_data, tasks_dir=args.tasks_dir,
+                   data_dir=args.data_dir)
+    try:
+        if (target / "checkpoints").is_dir(): rows = evaluate_run(target, args.every, args.out, **options)
+        elif args.every: raise EvalError(f"--every {args.every}: {target} has no checkpoints/; give a run folder, or drop --every")
+        else: rows = evaluate(target, out=args.out, **options)
+    except (EvalError, ExportError) as e: raise SystemExit(_fail(e)) from None
+    columns = [c for c in ("step", "task", "metric", "value", "stderr", "chance", "n", "contaminated") if c in rows[0]]
+    print(pd.DataFrame(rows)[columns].to_string(index=False, float_format="{:.4g}".format))
+    out = Path(args.out) if args.out else (target / "eval.json")
+    print(f"{len(rows)} results in {out} (lm-eval {rows[0]['lm_eval_version']}, model {rows[0]['model_hash'][:12]})")
+
+def _compare_samples(args) -> None:
+    from marin_study.compare import CompareError, compare_samples, unblind
+    from marin_study.export import ExportError
+    from marin_study.generate import Sampling
+    from marin_study.utils import JsonLinesError
+    try:
+        if args.unblind:
+            if args.exports: raise CompareError("--unblind DIR takes no exports; give either A B --out DIR, or --unblind DIR")
+            result = unblind(args.unblind)
+            print(f"{result['summary']}\nA: {result['a']}\nB: {result['b']}")
+            return
+        if len(args.exports) != 2 or not args.out:
+            raise CompareError("give two exports and a folder for the sheet: compare-samples A B --out DIR")
+        sampling = Sampling(args.max_new_tokens, args.temperature, args.top_p, seed=args.seed)
+        sheet = compare_samples(*args.exports, args.out, args.prompts, sampling, args.batch_size, args.seed)
+    except (CompareError, ExportError, JsonLinesError) as e: raise SystemExit(_fail(e)) from None
+    print(f"blinded sheet {sheet} ({sum(1 for _ in open(sheet))} pairs); rate it in nbs/studies/rate_samples.ipynb, "
+          f"then `marin-study compare-samples --unblind {args.out}`")
+
 # %% ../nbs/90_cli.ipynb #b2d34797
 def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="marin-study", description="Study, validate and launch MoE pretraining.")
@@ -217,7 +267,8 @@ def parser() -> argparse.ArgumentParser:
     for name, fn, text in (("clean", _data_clean, "normalise, filter, hold out and deduplicate the raw corpus"),
                            ("tokenizer", _data_tokenizer, "train the byte-level BPE on the training split"),
                            ("pack", _data_pack, "tokenize into per-domain shards"),
-                           ("check", _data_check, "show batches, samples per domain, the realised mixture and loader speed")):
+                           ("check", _data_check, "show batches, samples per domain, the realised mixture and loader speed"),
+                           ("evalset", _data_evalset, "build the evaluation suite's documents (evals/tasks) from the held-out split")):
         cmd = data.add_parser(name, help=text)
         cmd.add_argument("params", help="a params YAML file, e.g. params/tiny.yaml")
         cmd.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a key")
@@ -306,6 +357,34 @@ def parser() -> argparse.ArgumentParser:
     gen.add_argument("--seed", type=int, default=0)
     gen.add_argument("--batch-size", type=int, default=8)
     gen.set_defaults(run=_generate)
+
+    ev = sub.add_parser("eval", help="run the lm-eval task suite on an export, or on a run's kept checkpoints")
+    ev.add_argument("target", help="an export folder, or a run folder (it holds checkpoints/) to evaluate across training")
+    ev.add_argument("--tasks", action="extend", default=[], type=lambda s: [t for t in s.split(",") if t], metavar="T,...",
+                    help="task names or tags of the suite (default: all; tags: marin, marin_ppl, marin_ability)")
+    ev.add_argument("--limit", type=int, help="at most this many documents per task")
+    ev.add_argument("--every", type=int, help="with a run folder: the kept checkpoints whose step is a multiple of this")
+    ev.add_argument("--out", help="eval.json's path (default: in the export or run folder); lm-eval's results go beside it")
+    ev.add_argument("--backend", choices=["hf", "kit"], default="hf", help="transformers' model (default) or our Transformer")
+    ev.add_argument("--batch-size", type=int, default=8)
+    ev.add_argument("--device", help="cpu or cuda (default: cuda when present)")
+    ev.add_argument("--seed", type=int, default=0)
+    ev.add_argument("--train-data", help="training documents to check the tasks against (default: the export's record)")
+    ev.add_argument("--tasks-dir", default="evals/tasks", help="the task YAMLs (default: evals/tasks)")
+    ev.add_argument("--data-dir", help="the tasks' documents (default: the paths the YAMLs name, from the repository root)")
+    ev.set_defaults(run=_eval)
+
+    cmp = sub.add_parser("compare-samples", help="a blinded sheet of two exports' continuations to rate; or unblind one")
+    cmp.add_argument("exports", nargs="*", metavar="EXPORT", help="the exports A and B")
+    cmp.add_argument("--out", help="the sheet's folder: sheet.jsonl to rate, key.json and the samples beside it")
+    cmp.add_argument("--unblind", metavar="DIR", help="a rated sheet's folder: print A's preference rate and its 95%% CI")
+    cmp.add_argument("--prompts", default="evals/prompts/blind.jsonl", help="the fixed prompt set (default: %(default)s)")
+    cmp.add_argument("--max-new-tokens", type=int, default=48)
+    cmp.add_argument("--temperature", type=float, default=0.8)
+    cmp.add_argument("--top-p", type=float, default=0.95)
+    cmp.add_argument("--seed", type=int, default=0, help="the sampling seed and the sheet's shuffle")
+    cmp.add_argument("--batch-size", type=int, default=8)
+    cmp.set_defaults(run=_compare_samples)
     return ap
 
 # %% ../nbs/90_cli.ipynb #3615755b

@@ -304,7 +304,10 @@ def export(run_dir: str | os.PathLike, out: str | os.PathLike, step: int | None 
     except TrainError as e: raise ExportError(f"{e}; export another --step") from None
     params = load_params(folder / "params.yaml")
     source = {"source_run": str(run_dir.resolve()), "step": int(folder.name.removeprefix("step-")),
-              "checkpoint_manifest_sha256": _sha256(folder / "MANIFEST.json"), "params_sha256": _sha256(folder / "params.yaml")}
+              "checkpoint_manifest_sha256": _sha256(folder / "MANIFEST.json"), "params_sha256": _sha256(folder / "params.yaml"),
+              # where evaluation finds the training text, to check its tasks for contamination (chapter 13d)
+              "train_data": {"dir": str(Path(params.data.out_dir) / "clean" / "train"), "ngram": params.data.decontam_ngram,
+                             "fraction": params.data.decontam_fraction}}
     return write_export(params.model, state, out, tokenizer or Path(params.data.out_dir) / "tokenizer.json", dtype,
                         max_shard_size, native, source)
 

@@ -51,6 +51,7 @@ LONG_DEFINITIONS = {
     ("07j_train.ipynb", "Trainer"): "one class: the components it wires, the step and the loop that reads as a screen",
     ("09_parallelism.ipynb", "Plan"): "one dataclass: days, table, explanation and JSON of the same candidates",
     ("12_widgets.ipynb", "PlannerWidget"): "one class: its controls, their callbacks and the redraw",
+    ("13d_evaluate.ipynb", "_lm_class"): "one class, lm-eval's model interface, inside a function: lm_eval loads on use",
     ("90_cli.ipynb", "parser"): "one function: the argparse tree of every subcommand",
 }
 
