@@ -31,6 +31,11 @@ NOT_BIT_REPRODUCIBLE = {
     "runs/tiny/generate": "the prompts' continuations by those weights",
     "reports/generate_tiny.html": "rendered from that executed notebook",
     "reports/generate_tiny.jsonl": "the samples of those weights",
+    "runs/tiny/eval.json": "lm-eval's scores of that run's checkpoints (their floats follow the CPU)",
+    "runs/tiny/eval": "lm-eval's results JSON of each checkpoint, with its timings",
+    "runs/tiny/eval_tiny.ipynb": "papermill timings, and the scores of those weights",
+    "reports/eval_tiny.html": "rendered from that executed notebook",
+    "reports/eval_tiny.json": "the newest checkpoint's scores",
     "reports/book": "the executed chapters print timings (the loader's speed, the optimizer's step) and embed plots",
 }
 

@@ -99,8 +99,11 @@ def screenshot_and_text(html: Path, tmp_path: Path) -> tuple[np.ndarray, str]:
 
 
 def test_dvc_repro_trains_the_tiny_study_reports_on_it_and_a_second_repro_resumes_its_run(project_copy, tmp_path):
+    # the pipeline's mechanics, not the suite's numbers: 32 documents per task keep the three evaluations short
+    stages = project_copy / "dvc.yaml"
+    stages.write_text(stages.read_text().replace("--every 100 --out", "--every 100 --limit 32 --out"))
     result = run(["dvc", "repro", "report"], cwd=project_copy)
-    assert "Running stage 'train'" in result.stdout and "Running stage 'report'" in result.stdout
+    assert all(f"Running stage '{stage}'" in result.stdout for stage in ("train", "evalset", "eval", "report"))
     findings = json.loads((project_copy / "reports/loss_findings.json").read_text())["train_tiny"]
     assert {f["kind"] for f in findings["findings"]} <= set(KINDS) and findings["errors"] == 0
     report = project_copy / "reports/loss_report.html"
@@ -125,9 +128,19 @@ def test_dvc_repro_trains_the_tiny_study_reports_on_it_and_a_second_repro_resume
     record = json.loads((project_copy / "runs/tiny/export/marin_export.json").read_text())
     assert record["step"] == 300 and record["source_run"] == str(runs.resolve())
     samples = [json.loads(l) for l in (project_copy / "reports/generate_tiny.jsonl").read_text().splitlines()]
-    assert {s["domain"] for s in samples} >= {"web", "code", "chat"} and all(s["completion"].strip() for s in samples)
+    assert {s["domain"] for s in samples} >= {"web", "code", "chat"}
+    assert all(s["finish_reason"] == "stop" or s["new_tokens"] == 48 for s in samples)
     html = (project_copy / "reports/generate_tiny.html").read_text()
     assert not remote_references(html) and "greedy tokens equal" in html and "sampled" in html
+    # what it can do: lm-eval on the checkpoints of steps 100, 200 and 300, a report, and DVC metrics to compare runs
+    rows = json.loads((project_copy / "runs/tiny/eval.json").read_text())
+    assert sorted({r["step"] for r in rows}) == [100, 200, 300] and not any(r["contaminated"] for r in rows)
+    assert "Ability against tokens" in (project_copy / "reports/loss_report.html").read_text()
+    run(["dvc", "repro", "eval_report"], cwd=project_copy)
+    html = (project_copy / "reports/eval_tiny.html").read_text()
+    assert not remote_references(html) and "cloze_books" in html and html.count("data:image/png;base64,") >= 1
+    metrics = run(["dvc", "metrics", "show", "--json"], cwd=project_copy).stdout
+    assert "reports/eval_tiny.json" in metrics and "choice_heldout" in metrics
     # the persistent run is found, nothing retrains (--single-item: --force alone reruns the data stages too)
     run(["dvc", "repro", "--force", "--single-item", "train"], cwd=project_copy)
     assert len(MetricsLog(runs / "metrics.jsonl").read()) == 300
@@ -142,6 +155,10 @@ def test_dvc_repro_trains_the_tiny_study_reports_on_it_and_a_second_repro_resume
     assert len(run(["dvc", "exp", "list", "--name-only"], cwd=project_copy).stdout.split()) == 1
 
 
+def test_eval_report_declares_its_parameters():
+    assert set(study_parameters(ROOT / "nbs/studies/eval_tiny.ipynb")) == {"eval_json", "export_dir", "params_path", "metrics_json"}
+
+
 def test_loss_report_declares_its_parameters():
     assert set(study_parameters(ROOT / "nbs/studies/loss_report.ipynb")) == {
-        "metrics", "reference", "params_path", "target_tokens", "findings_json"}
+        "metrics", "reference", "params_path", "target_tokens", "findings_json", "evals"}
