@@ -7,7 +7,6 @@ import contextlib
 import dataclasses
 import hashlib
 import json
-import math
 import os
 import random
 import re
@@ -24,7 +23,7 @@ import torch
 from .config import Params, load_params
 from .data.clean import heldout_share, ngram_hashes
 from .data.corpus import read_jsonl
-from .export import ExportError, export, load_export
+from .export import export, load_export
 from .trainer.checkpoint import Checkpoints
 from .trainer.evaluation import HeldOut
 from .trainer.metrics import EVAL_BPB, domain_key

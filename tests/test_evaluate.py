@@ -1,6 +1,5 @@
 """Evaluation through lm-evaluation-harness on checkpoints the real trainer wrote: the suite, ability against tokens,
 two paths to one number, contamination, offline, bad input."""
-import dataclasses
 import json
 import shutil
 from importlib.metadata import version
