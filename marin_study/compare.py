@@ -12,6 +12,7 @@ import random
 from pathlib import Path
 
 from .evaluate import model_hash
+from .export import ExportError, export_record
 from .generate import Sampling, generate_file
 from .utils import atomic_write, json_lines, write_jsonl
 
@@ -30,13 +31,9 @@ class CompareError(ValueError):
 # %% ../nbs/13e_compare.ipynb #18b8d4e4
 def export_identity(folder: str | os.PathLike) -> dict:
     "What the key records of an export: its folder, the sha256 of its weights and its marin_export.json, if any."
-    folder = Path(folder)
-    if not (folder / "config.json").is_file():
-        raise CompareError(f"{folder}: no config.json, so not an exported model; make one with "
-                           f"`marin-study export RUN_DIR --out {folder}`")
-    record = folder / "marin_export.json"
-    return {"path": str(folder.resolve()), "weights_sha256": model_hash(folder),
-            "export": json.loads(record.read_text()) if record.is_file() else None}
+    try: record = export_record(folder)
+    except ExportError as e: raise CompareError(str(e)) from None
+    return {"path": str(Path(folder).resolve()), "weights_sha256": model_hash(folder), "export": record or None}
 
 def blind_order(pair_ids: list[str], seed: int) -> list[tuple[str, str]]:
     "(pair id, the side that shows A) in the sheet's order: pairs shuffled, A on the left in half of them."

@@ -23,7 +23,7 @@ import torch
 from .config import Params, load_params
 from .data.clean import heldout_share, ngram_hashes
 from .data.corpus import read_jsonl
-from .export import export, load_export
+from .export import ExportError, export, export_record, load_export
 from .trainer.checkpoint import Checkpoints
 from .trainer.evaluation import HeldOut
 from .trainer.metrics import EVAL_BPB, domain_key
@@ -284,13 +284,6 @@ def model_hash(folder: str | os.PathLike) -> str:
         with open(path, "rb") as f: digest.update(path.name.encode() + hashlib.file_digest(f, "sha256").digest())
     return digest.hexdigest()
 
-def _export_record(folder: Path) -> dict:
-    if not (folder / "config.json").is_file():
-        raise EvalError(f"{folder}: not an exported model (no config.json); make one with "
-                        f"`marin-study export RUN_DIR --out {folder}`, or pass a run folder with --every")
-    record = folder / "marin_export.json"
-    return json.loads(record.read_text()) if record.is_file() else {}
-
 def _task_spec(task: SuiteTask, data_dir: str | os.PathLike | None) -> dict:
     "The task's config for lm-eval, its data file made absolute (lm-eval would read a relative one from the cwd)."
     path = task.data_file(data_dir)
@@ -344,7 +337,8 @@ def evaluate(folder: str | os.PathLike, tasks: list[str] | None = None, limit: i
              data_dir: str | os.PathLike | None = None) -> list[dict]:
     "Run the suite's `tasks` on the export `folder`; writes `out` (default FOLDER/eval.json) and lm-eval's results beside it."
     folder = Path(folder)
-    record = _export_record(folder)
+    try: record = export_record(folder)
+    except ExportError as e: raise EvalError(f"{e}, or pass a run folder with --every") from None
     if backend not in ("hf", "kit"): raise EvalError(f"--backend {backend!r}: use hf (transformers) or kit (our Transformer)")
     if backend == "kit" and not record:
         raise EvalError(f"{folder}: the kit backend reads marin_export.json, which only `marin-study export` writes; use --backend hf")

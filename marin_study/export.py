@@ -28,7 +28,7 @@ from .utils import current_umask, progress
 # %% auto #0
 __all__ = ['DTYPES', 'KEEP_FP32', 'CHAT_TEMPLATE', 'ExportError', 'choose_architecture', 'hf_config', 'tensor_table', 'to_hf',
            'from_hf', 'parse_size', 'export_dtype', 'shard_index', 'export_layout', 'hf_tokenizer', 'write_export',
-           'export', 'read_export', 'load_export']
+           'export', 'export_record', 'read_export', 'load_export']
 
 # %% ../nbs/13b_export.ipynb #e13ff90d
 class ExportError(ValueError):
@@ -312,6 +312,14 @@ def export(run_dir: str | os.PathLike, out: str | os.PathLike, step: int | None 
                         max_shard_size, native, source)
 
 # %% ../nbs/13b_export.ipynb #64248219
+def export_record(folder: str | os.PathLike) -> dict:
+    "An export folder's marin_export.json ({} for a folder another tool wrote); a folder without config.json is refused."
+    folder = Path(folder)
+    if not (folder / "config.json").is_file():
+        raise ExportError(f"{folder}: no config.json, so not an exported model; make one with `marin-study export RUN_DIR --out {folder}`")
+    record = folder / "marin_export.json"
+    return json.loads(record.read_text()) if record.is_file() else {}
+
 def read_export(folder: str | os.PathLike) -> tuple[dict, dict[str, torch.Tensor]]:
     "An export's marin_export.json and its tensors by name."
     from safetensors import SafetensorError

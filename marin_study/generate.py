@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from .export import ExportError
+from .export import ExportError, export_record
 from .model import Transformer
 import json
 from .utils import JsonLinesError, atomic_write, json_lines, progress
@@ -52,9 +52,7 @@ def load_generator(folder: str | os.PathLike):
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging
     if not sys.stderr.isatty(): logging.disable_progress_bar()  # as the kit's own bars: none in logs or papermill
-    folder = Path(folder)
-    if not (folder / "config.json").is_file():
-        raise ExportError(f"{folder}: no config.json, so not an exported model; make one with `marin-study export RUN_DIR --out {folder}`")
+    export_record(folder)
     model = AutoModelForCausalLM.from_pretrained(folder).eval()
     return model, AutoTokenizer.from_pretrained(folder)
 

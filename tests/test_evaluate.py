@@ -148,7 +148,7 @@ def test_bad_input_is_refused_in_one_line_and_writes_nothing(exported, trained, 
         result = marin("eval", exported, *args, "--data-dir", suite[0], "--out", tmp_path / "eval.json", check=False)
         assert result.returncode == 2 and words in result.stderr and "Traceback" not in result.stderr, result.stderr
     result = marin("eval", tmp_path, check=False)
-    assert result.returncode == 2 and f"{tmp_path}: not an exported model (no config.json)" in result.stderr
+    assert result.returncode == 2 and f"{tmp_path}: no config.json, so not an exported model" in result.stderr
     result = marin("eval", trained["run"], "--every", "7", check=False)
     assert result.returncode == 2 and "no kept checkpoint is a multiple of --every 7; the steps kept are [8, 16, 24]" in result.stderr
     tasks = tmp_path / "tasks"
