@@ -11,17 +11,19 @@ from pathlib import Path
 
 import yaml
 
-from .accounting import flops_per_token
+from .accounting import flops_per_token, param_breakdown, param_counts
 from .config import ModelConfig, Params, save_params
-from .hardware import GB, Device, device
+from .hardware import GB, HARDWARE, Device, device
 from .layout import Layout
 from .trainer.deepspeed import (Accounting, Precision, accelerate_config, bucket_elements, deepspeed_config,
                                            model_state_memory, shard_params)
 from .utils import atomic_write
 
 # %% auto #0
-__all__ = ['LATENCY', 'PlanError', 'layer_activation_terms', 'activation_bytes', 'Memory', 'memory', 'StepTime', 'step_time',
-           'Candidate', 'Plan', 'evaluate', 'plan', 'with_layout', 'write_launch_configs']
+__all__ = ['LATENCY', 'PRECISION_BYTES', 'SERVE_FLAGS', 'PlanError', 'layer_activation_terms', 'activation_bytes', 'Memory',
+           'memory', 'StepTime', 'step_time', 'Candidate', 'Plan', 'evaluate', 'plan', 'with_layout',
+           'write_launch_configs', 'kv_bytes_per_layer', 'layer_params', 'tensor_parallel_degrees', 'fullest_gpu_bytes',
+           'InferencePlan', 'inference_plan']
 
 # %% ../nbs/09_parallelism.ipynb #f10674c3
 class PlanError(ValueError):
@@ -301,3 +303,189 @@ def write_launch_configs(params: Params, folder: str | Path) -> tuple[Path, Path
     ds = atomic_write(folder / "deepspeed.json", json.dumps(deepspeed_config(params, params.launch.world_size), indent=2) + "\n")
     acc = atomic_write(folder / "accelerate.yaml", yaml.safe_dump(accelerate_config(params, ds.resolve()), sort_keys=False))
     return save_params(params, folder / "params.yaml"), ds, acc
+
+# %% ../nbs/09_parallelism.ipynb #fef3ccde
+PRECISION_BYTES = {"fp32": 4, "bf16": 2, "fp8": 1, "int8": 1, "int4": 0.5}
+# Bytes of one stored weight. Real 8- and 4-bit formats add a scale per group of weights (GPTQ and AWQ: a 16-bit scale
+# and zero per 128 weights, about 3% more at 4 bits) and usually leave the embedding, head, router and norms in 16
+# bits (0.3% of the 535B). Neither is counted, as in the published sizing (535B x 0.5 bytes = 268 GB): both are small
+# beside the tenth of each GPU that the engine's memory fraction leaves free.
+
+def kv_bytes_per_layer(model: ModelConfig, context: int, kv_precision: str = "bf16") -> list[float]:
+    "KV-cache bytes each layer holds for one sequence of `context` tokens; a sliding-window layer holds its window at most."
+    token = 2 * model.n_kv_heads * model.head_dim * PRECISION_BYTES[kv_precision]   # a key and a value per KV head
+    return [token * (context if model.is_global(i) else min(model.sliding_window, context)) for i in range(model.n_layers)]
+
+def layer_params(model: ModelConfig) -> list[float]:
+    "Parameters of each transformer layer (the embedding and head apart), from the accounting chapter's breakdown."
+    rows = {name: total for name, (total, _) in param_breakdown(model).items()}
+    n_moe = sum(model.is_moe_layer(i) for i in range(model.n_layers))
+    every = (rows["attention"] + rows["norms"]) / model.n_layers
+    moe = sum(rows[k] for k in ("router", "latent_proj", "routed_experts", "shared_experts")) / max(n_moe, 1)
+    dense = rows["dense_mlp"] / max(model.n_layers - n_moe, 1)
+    return [every + (moe if model.is_moe_layer(i) else dense) for i in range(model.n_layers)]
+
+# %% ../nbs/09_parallelism.ipynb #b77f067a
+def tensor_parallel_degrees(model: ModelConfig, dev: Device) -> list[int]:
+    "Tensor-parallel degrees the engines accept: powers of two up to a node, splitting heads and KV heads evenly."
+    K, node = model.n_kv_heads, dev.gpus_per_node
+    return [t for t in (2 ** i for i in range(node.bit_length())) if t <= node and model.n_heads % t == 0
+            and (K % t == 0 or t % K == 0)]   # past K GPUs, each KV head is copied to t / K of them
+
+def fullest_gpu_bytes(model: ModelConfig, precision: str, kv_per_layer: list[float], batch: int, tp: int, pp: int) -> float:
+    "Bytes on the fullest GPU of `tp` x `pp`: its stage's weights and its stage's KV cache for `batch` sequences, over `tp`."
+    counts, layers, span = param_counts(model), layer_params(model), model.n_layers // pp
+    # with tied embeddings the last stage keeps a copy of the embedding as its head, unless it is also the first
+    head = counts.head or (counts.embedding if pp > 1 else 0)
+    kv_share = max(1 / tp, 1 / model.n_kv_heads)   # a KV head is never split across GPUs
+    stages = []
+    for s in range(pp):
+        own = range(s * span, (s + 1) * span)
+        weights = sum(layers[i] for i in own) + (counts.embedding if s == 0 else 0) + (head if s == pp - 1 else 0)
+        stages.append(weights * PRECISION_BYTES[precision] / tp + batch * sum(kv_per_layer[i] for i in own) * kv_share)
+    return max(stages)
+
+# %% ../nbs/09_parallelism.ipynb #0b79a0cd
+def _size(nbytes: float) -> str:
+    "Bytes in the largest unit that keeps a digit before the point (GB = 1e9, as in the hardware catalogue)."
+    return next(f"{nbytes / unit:,.1f} {name}" for unit, name in ((GB, "GB"), (1e6, "MB"), (1e3, "kB"))
+                if nbytes >= unit) if nbytes >= 1e3 else f"{nbytes:g} bytes"
+
+def _magnitude(n: int) -> str:
+    "A large count short: 535.3B, 4.1M."
+    return next((f"{n / unit:.1f}{name}" for unit, name in ((1e9, "B"), (1e6, "M"), (1e3, "k")) if n >= unit), str(n))
+
+def _plural(n: float, noun: str) -> str: return f"{n} {noun}{'' if n == 1 else 's'}"
+
+# The settings both engines take, under each one's names: the command and its model folder, the tensor- and
+# pipeline-parallel degrees, the longest sequence, the sequences in flight and the fraction of GPU memory to fill
+SERVE_FLAGS = {"vllm": ("vllm serve", "--tensor-parallel-size", "--pipeline-parallel-size", "--max-model-len",
+                        "--max-num-seqs", "--gpu-memory-utilization"),
+               "sglang": ("python -m sglang.launch_server --model-path", "--tp-size", "--pp-size", "--context-length",
+                          "--max-running-requests", "--mem-fraction-static")}
+
+@dataclass(frozen=True)
+class InferencePlan:
+    "What serving a model takes: the bytes by term, the GPUs, and the tensor- and pipeline-parallel degrees."
+    model: ModelConfig
+    device: Device
+    precision: str                # of the weights, a key of PRECISION_BYTES
+    kv_precision: str
+    batch: int                    # sequences in flight at once
+    context: int                  # the most tokens one sequence reaches, prompt and answer together
+    util: float                   # the fraction of each GPU's memory the engine may fill
+    params: int                   # every weight, every expert
+    weight_bytes: float
+    kv_bytes_per_token: float     # summed over the layers
+    kv_bytes_per_sequence: float  # at `context`, sliding-window layers holding their window
+    gpus_min: int                 # by memory alone: the total over `util` of one GPU
+    tp: int
+    pp: int
+    gpu_bytes: float              # on the fullest GPU of the layout
+
+    @property
+    def kv_bytes(self) -> float: return self.batch * self.kv_bytes_per_sequence
+    @property
+    def total_bytes(self) -> float: return self.weight_bytes + self.kv_bytes
+    @property
+    def gpus(self) -> int: return self.tp * self.pp
+    @property
+    def nodes(self) -> int: return math.ceil(self.gpus / self.device.gpus_per_node)
+
+    def explain(self) -> str:
+        "The terms and the layout in words."
+        m, d, n = self.model, self.device, self.nodes
+        window = min(m.sliding_window, self.context)
+        n_local = sum(not m.is_global(i) for i in range(m.n_layers))
+        local = (f", of which {n_local} sliding-window layers keep only the last {window} tokens"
+                 if n_local and window < self.context else "")
+        widest, why = tensor_parallel_degrees(m, d)[-1], ""
+        if self.pp > 1 and self.tp == widest and 2 * widest <= d.gpus_per_node:   # say why a node is not one TP group
+            heads = f"{m.n_heads} heads" if m.n_heads % (2 * widest) else f"{m.n_kv_heads} KV heads"
+            why = f" ({2 * widest} would not split the {heads} evenly)"
+        return "\n".join([
+            f"serving {_magnitude(self.params)} parameters{' (every expert resident)' if m.is_moe else ''}, "
+            f"{self.precision} weights, {self.kv_precision} KV cache, {_plural(self.batch, 'sequence')} of up to "
+            f"{self.context} tokens, on {d.name} ({_size(d.memory)}):",
+            f"  weights  {_size(self.weight_bytes)} = {self.params:,} x {_plural(PRECISION_BYTES[self.precision], 'byte')}",
+            f"  KV cache {_size(self.kv_bytes)} = {self.batch} x {_size(self.kv_bytes_per_sequence)} a sequence; "
+            f"{_size(self.kv_bytes_per_token)} a token (2 x {m.n_kv_heads} KV heads x {m.head_dim} x "
+            f"{_plural(PRECISION_BYTES[self.kv_precision], 'byte')} x {m.n_layers} layers){local}",
+            f"  total    {_size(self.total_bytes)}: at least {_plural(self.gpus_min, 'GPU')} at {self.util:.0%} of "
+            f"{_size(d.memory)}",
+            f"  layout: tensor parallel {self.tp}{why} x pipeline parallel {self.pp} = {_plural(self.gpus, 'GPU')} on "
+            f"{_plural(n, 'node')} of {d.gpus_per_node}; the fullest GPU holds {_size(self.gpu_bytes)}"])
+
+    def to_json(self, export: str = "EXPORT_DIR", name: str = "marin") -> dict:
+        "Every number, and the two launch commands for `export`."
+        numbers = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name not in ("model", "device")}
+        return {"device": self.device.name, **numbers, "kv_bytes": self.kv_bytes, "total_bytes": self.total_bytes,
+                "gpus": self.gpus, "nodes": self.nodes, "vllm_command": self.vllm_command(export, name),
+                "sglang_command": self.sglang_command(export, name)}
+
+    def vllm_command(self, export: str = "EXPORT_DIR", name: str = "marin") -> str:
+        "`vllm serve` for an export folder; past one node, on a Ray cluster started first."
+        return self._command("vllm", export, name,
+                             f"# {self.nodes} nodes: start a Ray cluster first (`ray start --head --port 6379` on the head "
+                             "node, `ray start --address HEAD_IP:6379` on each other one), then run this on the head node",
+                             ["--distributed-executor-backend ray"])
+
+    def sglang_command(self, export: str = "EXPORT_DIR", name: str = "marin") -> str:
+        "`sglang.launch_server` for an export folder; past one node, the same line on every node with its rank."
+        return self._command("sglang", export, name,
+                             f"# run on each of the {self.nodes} nodes, NODE_RANK 0 to {self.nodes - 1}; "
+                             "HEAD_IP is node 0's address",
+                             [f"--nnodes {self.nodes}", "--node-rank NODE_RANK", "--dist-init-addr HEAD_IP:5000"])
+
+    def _command(self, engine: str, export: str, name: str, multi_node_note: str, multi_node_flags: list[str]) -> str:
+        "One engine's line, under the notes it needs."
+        start, *flags = SERVE_FLAGS[engine]
+        values = (self.tp, self.pp, self.context, self.batch, self.util)
+        line = [f"{start} {export}", *(f"{flag} {value}" for flag, value in zip(flags, values)),
+                f"--served-model-name {name}", "--dtype float32" if self.precision == "fp32" else "--dtype bfloat16",
+                "--trust-remote-code"]
+        notes = []
+        if self.precision == "fp8": line.append("--quantization fp8")   # both engines quantize a 16-bit export as it loads
+        if self.precision in ("int8", "int4"):
+            notes.append(f"# {self.precision}: serve an {self.precision} copy of the export (GPTQ, AWQ or compressed-tensors); "
+                         "the engine reads its method from that folder's config.json, so no flag names it")
+        if self.kv_precision == "fp8": line.append("--kv-cache-dtype fp8_e4m3")
+        if self.nodes > 1: notes, line = notes + [multi_node_note], line + multi_node_flags
+        return "\n".join(notes + [" \\\n    ".join(line)])
+
+# %% ../nbs/09_parallelism.ipynb #b7c63716
+def inference_plan(params_or_model: Params | ModelConfig, gpu: str | Device, precision: str = "bf16",
+                   kv_precision: str | None = None, batch: int = 1, context: int | None = None,
+                   util: float = 0.9) -> InferencePlan:
+    "Bytes, GPUs and layout to serve `batch` sequences of up to `context` tokens (default: the model's max_seq_len)."
+    m = params_or_model.model if isinstance(params_or_model, Params) else params_or_model
+    compute = "fp32" if precision == "fp32" else "bf16"   # 8- and 4-bit weights are multiplied in bf16
+    kv_precision, context = kv_precision or compute, m.max_seq_len if context is None else context
+    if precision not in PRECISION_BYTES:
+        raise PlanError(f"--weights-precision {precision!r} is not one of {', '.join(PRECISION_BYTES)}")
+    if kv_precision not in (compute, "fp8"):
+        raise PlanError(f"--kv-precision {kv_precision!r}: with {precision} weights vLLM and SGLang keep the KV cache in "
+                        f"{compute} or fp8; pass one of those")
+    if batch < 1: raise PlanError(f"--batch must be at least 1 sequence, got {batch}")
+    if not 1 <= context <= m.max_seq_len:
+        raise PlanError(f"--context {context} is outside 1 to {m.max_seq_len} (model.max_seq_len, the longest sequence "
+                        "the model was trained on); pass a context in that range")
+    if not 0 < util <= 1: raise PlanError(f"util must be in (0, 1], got {util} (vLLM's default is 0.9)")
+    if isinstance(gpu, str) and gpu.lower() == "cpu":
+        raise PlanError(f"the device is cpu (--gpu, or the params' launch.device): serving is sized for GPUs; name one of "
+                        f"{', '.join(HARDWARE)}, e.g. --gpu h100")
+    dev = gpu if isinstance(gpu, Device) else device(gpu)
+    params = param_counts(m).total
+    weights, budget = params * PRECISION_BYTES[precision], util * dev.memory
+    kv_layers = kv_bytes_per_layer(m, context, kv_precision)
+    tps = tensor_parallel_degrees(m, dev)
+    for tp, pp in [(t, 1) for t in tps] + [(tps[-1], p) for p in _divisors(m.n_layers)[1:]]:
+        fullest = fullest_gpu_bytes(m, precision, kv_layers, batch, tp, pp)
+        if fullest <= budget: break
+    else:
+        raise PlanError(f"{precision} weights ({weights / GB:.0f} GB) and the KV cache of {batch} x {context} tokens do not "
+                        f"fit even one layer a stage on {tp * pp} x {dev.name} ({fullest / GB:.0f} GB on the fullest, "
+                        f"{budget / GB:.0f} usable); lower --weights-precision, --batch or --context, or name a larger --gpu")
+    return InferencePlan(m, dev, precision, kv_precision, batch, context, util, params, weights,
+                         sum(kv_bytes_per_layer(m, 1, kv_precision)), sum(kv_layers),
+                         math.ceil((weights + batch * sum(kv_layers)) / budget), tp, pp, fullest)

@@ -1,4 +1,5 @@
 "The planner against the formulas, DeepSpeed's estimators and config classes, the 535B run and its own widget."
+import dataclasses
 import json
 import re
 import textwrap
@@ -10,7 +11,9 @@ from conftest import free_port
 from marin_study.config import ModelConfig, load_params
 from marin_study.hardware import GB, HARDWARE, HardwareError
 from marin_study.layout import Layout, layout_refusals
-from marin_study.parallelism import evaluate, layer_activation_terms, plan, with_layout, write_launch_configs
+from marin_study.parallelism import (PRECISION_BYTES, PlanError, evaluate, fullest_gpu_bytes, inference_plan,
+                                     kv_bytes_per_layer, layer_activation_terms, plan, tensor_parallel_degrees,
+                                     with_layout, write_launch_configs)
 from marin_study.trainer.deepspeed import largest_layer_params, model_state_memory
 from marin_study.widgets import PlannerWidget
 
@@ -174,3 +177,88 @@ def test_the_widget_redraws_and_explains_bad_combinations():
     assert w.message.value.startswith("<b>cannot run: parallel.tp: 5 does not divide model.n_heads")
     c["tp"].value, c["gpus"].value = 1, 8
     assert "more than the 8 GPUs" in w.message.value
+
+
+def test_serving_the_535b_takes_the_published_weight_bytes_and_a_kv_cache_that_stops_at_the_window():
+    p = PARAMS["marin-535b-a23b"]
+    m = p.model
+    bf16, int4 = (inference_plan(p, "h100", weights, batch=32) for weights in ("bf16", "int4"))
+    assert bf16.weight_bytes == pytest.approx(1070e9, rel=0.05) and int4.weight_bytes == pytest.approx(268e9, rel=0.05)
+    layer_token = 2 * m.n_kv_heads * m.head_dim * 2   # a key and a value per KV head, bf16
+    assert bf16.kv_bytes_per_token == m.n_layers * layer_token
+    # within the window every layer holds the whole context; past it, only the global layers keep growing
+    assert inference_plan(p, "h100", context=1024).kv_bytes_per_sequence == 1024 * m.n_layers * layer_token
+    n_global = sum(m.is_global(i) for i in range(m.n_layers))
+    assert 0 < n_global < m.n_layers
+    assert bf16.kv_bytes_per_sequence == layer_token * (n_global * 4096 + (m.n_layers - n_global) * m.sliding_window)
+    no_window = inference_plan(dataclasses.replace(m, sliding_window=0), "h100", batch=32)
+    assert no_window.kv_bytes == 32 * 4096 * m.n_layers * layer_token > bf16.kv_bytes
+    assert inference_plan(p, "h100", kv_precision="fp8", batch=32).kv_bytes == bf16.kv_bytes / 2
+
+
+@pytest.mark.parametrize("weights", list(PRECISION_BYTES))
+def test_serving_layout_is_the_smallest_that_fits_tensor_parallel_first(weights):
+    p, h100 = PARAMS["marin-535b-a23b"], HARDWARE["h100"]
+    assert tensor_parallel_degrees(p.model, h100) == [1, 2, 4]   # 8 splits the 48 heads, not the 12 KV heads
+    served = inference_plan(p, "h100", weights, batch=32)
+    budget, kv = 0.9 * h100.memory, kv_bytes_per_layer(p.model, 4096, served.kv_precision)
+    assert served.gpu_bytes == fullest_gpu_bytes(p.model, weights, kv, 32, served.tp, served.pp) <= budget
+    assert served.gpu_bytes * served.gpus >= served.total_bytes and served.gpus >= served.gpus_min
+    # the step before it in the search does not fit: one stage fewer at the widest TP, or half the TP on one stage
+    if served.pp > 1:
+        fewer = max(d for d in range(1, served.pp) if p.model.n_layers % d == 0)
+        assert fullest_gpu_bytes(p.model, weights, kv, 32, served.tp, fewer) > budget
+        assert served.tp == 4
+    elif served.tp > 1:
+        assert fullest_gpu_bytes(p.model, weights, kv, 32, served.tp // 2, 1) > budget
+    assert served.nodes == -(-served.gpus // h100.gpus_per_node)
+    assert inference_plan(p, "h200", weights, batch=32).gpus <= served.gpus
+
+
+def _flags(command: str) -> dict:
+    "The flags of a launch command (its comment lines apart), a flag without a value mapped to True."
+    words = [w for line in command.splitlines() if not line.startswith("#") for w in line.split() if w != "\\"]
+    return {w: (words[i + 1] if i + 1 < len(words) and not words[i + 1].startswith("--") else True)
+            for i, w in enumerate(words) if w.startswith("--")}
+
+
+def test_serving_commands_carry_the_layout_and_only_honest_quantization_flags():
+    p = PARAMS["marin-535b-a23b"]
+    bf16 = inference_plan(p, "h100", batch=32)
+    assert (bf16.tp, bf16.pp, bf16.nodes) == (4, 4, 2)
+    vllm, sglang = bf16.vllm_command("exports/m", "m535"), bf16.sglang_command("exports/m", "m535")
+    assert vllm.splitlines()[1].startswith("vllm serve exports/m") and "ray start --head" in vllm.splitlines()[0]
+    assert {"--tensor-parallel-size": "4", "--pipeline-parallel-size": "4", "--max-model-len": "4096",
+            "--max-num-seqs": "32", "--gpu-memory-utilization": "0.9", "--dtype": "bfloat16", "--served-model-name": "m535",
+            "--trust-remote-code": True, "--distributed-executor-backend": "ray"}.items() <= _flags(vllm).items()
+    assert {"--model-path": "exports/m", "--tp-size": "4", "--pp-size": "4", "--context-length": "4096",
+            "--max-running-requests": "32", "--mem-fraction-static": "0.9", "--nnodes": "2", "--node-rank": "NODE_RANK",
+            "--dtype": "bfloat16"}.items() <= _flags(sglang).items()
+    assert "--quantization" not in _flags(vllm) and "--kv-cache-dtype" not in _flags(sglang)
+    fp8 = inference_plan(p, "h200", "fp8", kv_precision="fp8", batch=32)
+    for command in (fp8.vllm_command(), fp8.sglang_command()):
+        assert {"--quantization": "fp8", "--kv-cache-dtype": "fp8_e4m3", "--dtype": "bfloat16"}.items() <= _flags(command).items()
+        assert "--nnodes" not in command and "--distributed-executor-backend" not in command   # one node
+    int4 = inference_plan(p, "h100", "int4")
+    assert "--quantization" not in _flags(int4.vllm_command()) and int4.sglang_command().startswith("# int4: serve an int4 copy")
+    assert _flags(inference_plan(PARAMS["tiny"], "h100", "fp32").vllm_command())["--dtype"] == "float32"
+    out = json.loads(json.dumps(bf16.to_json("exports/m", "m535")))
+    assert out["vllm_command"] == vllm and out["gpus"] == 16 and out["weight_bytes"] == bf16.weight_bytes
+    assert "8 would not split the 12 KV heads evenly" in bf16.explain() and "36 sliding-window layers" in bf16.explain()
+
+
+@pytest.mark.parametrize("asked,refusal", [
+    (dict(precision="int3"), "--weights-precision 'int3' is not one of fp32, bf16, fp8, int8, int4"),
+    (dict(kv_precision="int4"), "--kv-precision 'int4': with bf16 weights vLLM and SGLang keep the KV cache in bf16 or fp8"),
+    (dict(precision="fp32", kv_precision="bf16"), "keep the KV cache in fp32 or fp8"),
+    (dict(batch=0), "--batch must be at least 1 sequence, got 0"),
+    (dict(context=0), "--context 0 is outside 1 to 4096 (model.max_seq_len"),
+    (dict(context=8192), "--context 8192 is outside 1 to 4096 (model.max_seq_len"),
+    (dict(util=1.5), "util must be in (0, 1], got 1.5"),
+    (dict(gpu="CPU"), "the device is cpu (--gpu, or the params' launch.device): serving is sized for GPUs; "
+                         "name one of a100-40gb, a100-80gb, h100"),
+    (dict(batch=10**5), "do not fit even one layer a stage on 192 x h100"),
+])
+def test_serving_inputs_that_cannot_be_sized_are_refused_by_name(asked, refusal):
+    with pytest.raises(PlanError, match=re.escape(refusal)):
+        inference_plan(PARAMS["marin-535b-a23b"], **{"gpu": "h100", **asked})
