@@ -248,6 +248,14 @@ def _compare_samples(args) -> None:
     print(f"blinded sheet {sheet} ({sum(1 for _ in open(sheet))} pairs); rate it in nbs/studies/rate_samples.ipynb, "
           f"then `marin-study compare-samples --unblind {args.out}`")
 
+# %% ../nbs/90_cli.ipynb #5e7a1c21
+def _serve(args) -> None:
+    from marin_study.export import ExportError
+    from marin_study.serve import ServeError, serve
+    try: serve(args.export_dir, args.host, args.port, args.served_model_name, args.api_key, args.device, args.max_batch,
+               args.log_level)
+    except (ServeError, ExportError) as e: raise SystemExit(_fail(e)) from None
+
 # %% ../nbs/90_cli.ipynb #b2d34797
 def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="marin-study", description="Study, validate and launch MoE pretraining.")
@@ -385,6 +393,17 @@ def parser() -> argparse.ArgumentParser:
     cmp.add_argument("--seed", type=int, default=0, help="the sampling seed and the sheet's shuffle")
     cmp.add_argument("--batch-size", type=int, default=8)
     cmp.set_defaults(run=_compare_samples)
+
+    srv = sub.add_parser("serve", help="serve an export over an OpenAI-compatible HTTP API (completions, chat, streaming)")
+    srv.add_argument("export_dir", help="a folder written by `marin-study export`")
+    srv.add_argument("--host", default="127.0.0.1", help="the address to listen on (default: %(default)s, this machine only)")
+    srv.add_argument("--port", type=int, default=8000, help="the port (default: %(default)s; 0 picks a free one)")
+    srv.add_argument("--served-model-name", help="the model id clients name (default: EXPORT_DIR as given)")
+    srv.add_argument("--api-key", help="require this key on every route (default: $MARIN_STUDY_API_KEY, else none)")
+    srv.add_argument("--device", help="cpu or cuda (default: cuda when present)")
+    srv.add_argument("--max-batch", type=int, default=16, help="the most sequences decoded together (default: %(default)s)")
+    srv.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    srv.set_defaults(run=_serve)
     return ap
 
 # %% ../nbs/90_cli.ipynb #3615755b

@@ -18,8 +18,8 @@ import json
 from .utils import JsonLinesError, atomic_write, json_lines, progress
 
 # %% auto #0
-__all__ = ['greedy_reference', 'Sampling', 'load_generator', 'generate_batch', 'read_prompts', 'finished_records',
-           'job_fingerprint', 'batch_seed', 'generate_file']
+__all__ = ['greedy_reference', 'Sampling', 'load_generator', 'missing_files', 'generate_batch', 'read_prompts',
+           'finished_records', 'job_fingerprint', 'batch_seed', 'generate_file']
 
 # %% ../nbs/13c_generate.ipynb #1b25f94d
 @torch.no_grad()
@@ -49,12 +49,23 @@ class Sampling:
 
 def load_generator(folder: str | os.PathLike):
     "(model, tokenizer) of an export folder, in eval mode on the CPU."
+    from safetensors import SafetensorError
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging
     if not sys.stderr.isatty(): logging.disable_progress_bar()  # as the kit's own bars: none in logs or papermill
     export_record(folder)
-    model = AutoModelForCausalLM.from_pretrained(folder).eval()
-    return model, AutoTokenizer.from_pretrained(folder)
+    if missing := missing_files(folder):
+        raise ExportError(f"{folder}: {', '.join(missing)} missing, so the export is incomplete; export the run again")
+    try: return AutoModelForCausalLM.from_pretrained(folder).eval(), AutoTokenizer.from_pretrained(folder)
+    except (OSError, ValueError, SafetensorError) as e:
+        raise ExportError(f"{folder}: transformers cannot load it ({str(e).splitlines()[0]}); export the run again") from None
+
+def missing_files(folder: str | os.PathLike) -> list[str]:
+    "The files an export's config and index name (weights, tokenizer) that are not in `folder`."
+    folder = Path(folder)
+    index = folder / "model.safetensors.index.json"
+    weights = sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.is_file() else ["model.safetensors"]
+    return [name for name in [*weights, "tokenizer.json"] if not (folder / name).is_file()]
 
 # %% ../nbs/13c_generate.ipynb #10e34080
 @torch.no_grad()
