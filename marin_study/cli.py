@@ -117,9 +117,15 @@ def _train(args) -> None:
               + f"; metrics in {Path(args.run_dir) / 'metrics.jsonl'}")
 
 def _plan(args) -> None:
-    from marin_study.parallelism import plan, with_layout, write_launch_configs
+    from marin_study.parallelism import inference_plan, plan, with_layout, write_launch_configs
     p = load_params(args.params, args.set)
     gpu = args.gpu or p.launch.device
+    if args.inference:
+        served = inference_plan(p, gpu, args.weights_precision, args.kv_precision, args.batch, args.context)
+        name = Path(args.params).stem
+        if args.json: print(json.dumps(served.to_json(args.export, name), indent=1))
+        else: print(served.explain(), served.vllm_command(args.export, name), served.sglang_command(args.export, name), sep="\n\n")
+        return
     gpus = args.gpus or p.launch.nodes * p.launch.gpus_per_node
     if gpu == "cpu" or not gpus:
         raise PlanError(f"{args.params}: launch runs on CPU; name a GPU and a count to plan for, e.g. --gpu h100 --gpus 64")
@@ -222,7 +228,7 @@ def _eval(args) -> None:
     try:
         if (target / "checkpoints").is_dir(): rows = evaluate_run(target, args.every, args.out, **options)
         elif args.every: raise EvalError(f"--every {args.every}: {target} has no checkpoints/; give a run folder, or drop --every")
-        else: rows = evaluate(target, out=args.out, **options)
+        else: rows = evaluate(target, out=args.out, endpoint=args.endpoint, **options)
     except (EvalError, ExportError) as e: raise SystemExit(_fail(e)) from None
     columns = [c for c in ("step", "task", "metric", "value", "stderr", "chance", "n", "contaminated") if c in rows[0]]
     print(pd.DataFrame(rows)[columns].to_string(index=False, float_format="{:.4g}".format))
@@ -301,6 +307,14 @@ def parser() -> argparse.ArgumentParser:
     pl.add_argument("--top", type=int, default=5, help="how many layouts to show")
     pl.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     pl.add_argument("--write-configs", metavar="DIR", help="write deepspeed.json and accelerate.yaml for the best layout")
+    pl.add_argument("--inference", action="store_true",
+                    help="size serving instead of training: weights, KV cache, GPUs, TP/PP, and the vLLM and SGLang commands")
+    pl.add_argument("--batch", type=int, default=1, help="with --inference: sequences in flight at once (vLLM --max-num-seqs)")
+    pl.add_argument("--context", type=int, help="with --inference: the longest sequence, prompt and answer (default: model.max_seq_len)")
+    pl.add_argument("--weights-precision", choices=["fp32", "bf16", "fp8", "int8", "int4"], default="bf16",
+                    help="with --inference: how each weight is stored (default: %(default)s)")
+    pl.add_argument("--kv-precision", choices=["fp32", "bf16", "fp8"], help="with --inference: the KV cache's type (default: the compute type)")
+    pl.add_argument("--export", default="EXPORT_DIR", help="with --inference: the export folder the commands serve")
     pl.set_defaults(run=_plan)
 
     launch = sub.add_parser("launch", help="submit training and sweeps to Slurm").add_subparsers(dest="action", required=True, metavar="ACTION")
@@ -373,7 +387,9 @@ def parser() -> argparse.ArgumentParser:
     ev.add_argument("--limit", type=int, help="at most this many documents per task")
     ev.add_argument("--every", type=int, help="with a run folder: the kept checkpoints whose step is a multiple of this")
     ev.add_argument("--out", help="eval.json's path (default: in the export or run folder); lm-eval's results go beside it")
-    ev.add_argument("--backend", choices=["hf", "kit"], default="hf", help="transformers' model (default) or our Transformer")
+    ev.add_argument("--backend", choices=["hf", "kit", "served"], default="hf",
+                    help="transformers' model (default), our Transformer, or the export served at --endpoint")
+    ev.add_argument("--endpoint", help="an OpenAI-compatible server of the export, e.g. http://127.0.0.1:8000/v1 (key: $MARIN_STUDY_API_KEY)")
     ev.add_argument("--batch-size", type=int, default=8)
     ev.add_argument("--device", help="cpu or cuda (default: cuda when present)")
     ev.add_argument("--seed", type=int, default=0)

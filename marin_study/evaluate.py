@@ -276,6 +276,50 @@ def _lm_class():
 
     return KitLM
 
+# %% ../nbs/13d_evaluate.ipynb #7d1e5a41
+def _served_lm(folder: str | os.PathLike, endpoint: str, batch_size: int, seed: int):
+    import httpx
+    from lm_eval.models.openai_completions import LocalCompletionsAPI
+    from marin_study.serve import API_KEY_VARIABLE
+
+    key = os.environ.get(API_KEY_VARIABLE, "")
+    try:
+        answer = httpx.get(f"{endpoint.rstrip('/')}/models", headers={"Authorization": f"Bearer {key}"} if key else {}, timeout=30)
+        answer.raise_for_status()
+        served = answer.json()["data"][0]
+    except (httpx.HTTPError, KeyError, IndexError, ValueError) as e:
+        raise EvalError(f"--endpoint {endpoint}: no OpenAI-compatible model list at {endpoint}/models ({e}); start "
+                        f"`marin-study serve {folder}` and pass its URL, ending in /v1") from None
+    context = served.get("max_model_len") or json.loads(Path(folder, "config.json").read_text())["max_position_embeddings"]
+
+    class ServedLM(LocalCompletionsAPI):
+        "lm-eval's completions backend, scoring prompts alone (max_tokens 0) so that windows may fill the context."
+        def _create_payload(self, messages, generate=False, gen_kwargs=None, seed=1234, eos=None, **kwargs) -> dict:
+            payload = super()._create_payload(messages, generate, gen_kwargs, seed, eos, **kwargs)
+            return payload if generate else {**payload, "max_tokens": 0}
+
+        @staticmethod
+        def parse_logprobs(outputs, tokens=None, ctxlens=None, **kwargs) -> list[tuple[float, bool]]:
+            results = []
+            for out in outputs if isinstance(outputs, list) else [outputs]:
+                for choice, ctxlen in zip(sorted(out["choices"], key=lambda c: c["index"]), ctxlens):
+                    logprobs, tops = choice["logprobs"]["token_logprobs"][ctxlen:], choice["logprobs"]["top_logprobs"][ctxlen:]
+                    results.append((sum(logprobs), all(lp >= max(top.values()) for lp, top in zip(logprobs, tops))))
+            return results
+
+        def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
+            self.max_length -= 1  # a prompt and its new tokens must fit the context; only scoring may predict one past it
+            try: return super().generate_until(requests, disable_tqdm)
+            finally: self.max_length += 1
+
+        @property
+        def api_key(self) -> str: return key
+
+    # lm-eval keeps max_length - 1 positions; context + 1 lets a scored window predict one past them, as offline
+    return ServedLM(model=served["id"], base_url=f"{endpoint.rstrip('/')}/completions", tokenizer=str(folder),
+                    tokenizer_backend="huggingface", tokenized_requests=True, max_length=context + 2,
+                    batch_size=batch_size, num_concurrent=1, max_retries=3, seed=seed, max_gen_toks=256)
+
 # %% ../nbs/13d_evaluate.ipynb #162a2c45
 def model_hash(folder: str | os.PathLike) -> str:
     "sha256 over an export's weight files, in order: the same weights give the same hash, whatever else changed."
@@ -334,21 +378,24 @@ def flat_rows(results: dict, chance: dict[str, dict], shares: dict[str, float] |
 def evaluate(folder: str | os.PathLike, tasks: list[str] | None = None, limit: int | None = None,
              out: str | os.PathLike | None = None, backend: str = "hf", batch_size: int = 8, device: str | None = None,
              seed: int = 0, train_data: str | os.PathLike | None = None, tasks_dir: str | os.PathLike = TASKS_DIR,
-             data_dir: str | os.PathLike | None = None) -> list[dict]:
+             data_dir: str | os.PathLike | None = None, endpoint: str | None = None) -> list[dict]:
     "Run the suite's `tasks` on the export `folder`; writes `out` (default FOLDER/eval.json) and lm-eval's results beside it."
     folder = Path(folder)
     try: record = export_record(folder)
     except ExportError as e: raise EvalError(f"{e}, or pass a run folder with --every") from None
-    if backend not in ("hf", "kit"): raise EvalError(f"--backend {backend!r}: use hf (transformers) or kit (our Transformer)")
+    if endpoint: backend = "served"
+    if backend not in ("hf", "kit", "served"):
+        raise EvalError(f"--backend {backend!r}: use hf (transformers), kit (our Transformer) or served (with --endpoint URL)")
+    if backend == "served" and not endpoint: raise EvalError("--backend served needs --endpoint URL, a server of this export")
     if backend == "kit" and not record:
         raise EvalError(f"{folder}: the kit backend reads marin_export.json, which only `marin-study export` writes; use --backend hf")
     chosen = select_tasks(load_suite(tasks_dir), tasks)
     specs = [_task_spec(t, data_dir) for t in chosen]
     _offline()
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-    with _bars_as_the_kit(): return _evaluate(folder, record, chosen, specs, limit, out, backend, batch_size, device, seed, train_data)
+    with _bars_as_the_kit(): return _evaluate(folder, record, chosen, specs, limit, out, backend, batch_size, device, seed, train_data, endpoint)
 
-def _evaluate(folder, record, chosen, specs, limit, out, backend, batch_size, device, seed, train_data) -> list[dict]:
+def _evaluate(folder, record, chosen, specs, limit, out, backend, batch_size, device, seed, train_data, endpoint) -> list[dict]:
     import lm_eval
     from lm_eval.tasks import TaskManager
     from lm_eval.utils import handle_non_serializable
@@ -366,6 +413,8 @@ def _evaluate(folder, record, chosen, specs, limit, out, backend, batch_size, de
         dtype = {"fp32": "float32", "bf16": "bfloat16"}.get(record.get("dtype"), "auto")
         model, model_args = "hf", {"pretrained": str(folder), "dtype": dtype, "batch_size": batch_size, "device": device,
                                      "backend": "causal"}
+    elif backend == "served":
+        model, model_args = _served_lm(folder, endpoint, batch_size, seed), None
     else:
         model, model_args = _lm_class()(folder, batch_size, device), None
     results = lm_eval.simple_evaluate(model=model, model_args=model_args, tasks=list(task_objects.values()), limit=limit,

@@ -194,3 +194,11 @@ def server(tiny_export, tmp_path_factory):
     srv = Server(tiny_export, tmp_path_factory.mktemp("server") / "serve.log", key="test-key")
     yield srv
     srv.stop()
+
+
+@pytest.fixture(scope="session")
+def suite(pipeline, tmp_path_factory):
+    "The kit's task suite built from the small real corpus' held-out split: (data folder, counts)."
+    from marin_study.evaluate import build_evalset, load_suite
+    data_dir = tmp_path_factory.mktemp("evalset")
+    return data_dir, build_evalset(load_suite(ROOT / "evals/tasks"), pipeline["root"] / "out/clean", data_dir)

@@ -23,13 +23,6 @@ def marin(*args, check=True):
 
 
 @pytest.fixture(scope="module")
-def suite(pipeline, tmp_path_factory):
-    "The kit's task suite built from the small real corpus' held-out split: (data folder, counts)."
-    data_dir = tmp_path_factory.mktemp("evalset")
-    return data_dir, build_evalset(load_suite(ROOT / "evals/tasks"), pipeline["root"] / "out/clean", data_dir)
-
-
-@pytest.fixture(scope="module")
 def trained(pipeline, tmp_path_factory):
     "The tiny model on the small corpus, trained by `marin-study train` for 24 steps, a checkpoint kept every 8."
     p = quick_params(pipeline["params"], steps=STEPS, checkpoint_every=EVERY, permanent_every=EVERY, eval_every=STEPS,

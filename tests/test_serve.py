@@ -122,6 +122,21 @@ def test_a_wrong_or_missing_key_is_a_401_on_every_route(server):
         assert httpx.get(f"http://127.0.0.1:{server.port}{path}").status_code == 401
 
 
+def test_served_metrics_equal_the_export_offline(server, tiny_export, suite, tmp_path, monkeypatch):
+    "The third leg of 'same behaviour before and after deployment': lm-eval over HTTP gives the offline numbers."
+    from marin_study.evaluate import evaluate
+    data_dir, _ = suite
+    tasks = ["ppl_web", "cloze_books", "choice_heldout", "complete_code"]
+    monkeypatch.setenv("MARIN_STUDY_API_KEY", server.key)
+    served = evaluate(tiny_export, tasks, limit=8, out=tmp_path / "served.json", endpoint=server.url, data_dir=data_dir)
+    offline = evaluate(tiny_export, tasks, limit=8, out=tmp_path / "offline.json", data_dir=data_dir)
+    assert {r["backend"] for r in served} == {"served"}
+    pairs = {(r["task"], r["metric"]): r["value"] for r in offline}
+    assert len(pairs) == len(served) >= 7
+    for row in served:
+        assert row["value"] == pytest.approx(pairs[row["task"], row["metric"]], rel=1e-5), (row["task"], row["metric"])
+
+
 def test_refusals_before_loading(server, tiny_export, tmp_path):
     taken = run([str(BIN / "marin-study"), "serve", str(tiny_export), "--port", str(server.port)], check=False)
     assert taken.returncode == 2 and "cannot listen there" in taken.stderr and "Traceback" not in taken.stderr
