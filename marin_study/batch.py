@@ -218,9 +218,10 @@ def run_batch(prompts: str | os.PathLike, endpoint: str, out: str | os.PathLike,
     k, n = parse_shard(shard) if shard else (0, 1)
     every, bad = read_batch_prompts(prompts, (k, n))
     out = shard_path(out, k, n) if shard else Path(out)
+    from marin_study.serve import API_KEY_VARIABLE  # here: the server's module loads torch, which the client needs not
     async def run_all() -> dict:
         async with openai.AsyncOpenAI(base_url=endpoint, timeout=timeout, max_retries=retries,
-                                      api_key=api_key or os.environ.get("MARIN_STUDY_API_KEY") or "none") as client:
+                                      api_key=api_key or os.environ.get(API_KEY_VARIABLE) or "none") as client:
             model = await endpoint_model(client, endpoint, settings.model, retries + 1)
             job = job_id(dataclasses.replace(settings, model=model))
             merged = 0 if shard else merge_shards(out, job)

@@ -221,6 +221,7 @@ def _eval(args) -> None:
     import pandas as pd
     from marin_study.evaluate import EvalError, evaluate, evaluate_run
     from marin_study.export import ExportError
+    from marin_study.serve import API_KEY_VARIABLE
     target = Path(args.target)
     options = dict(tasks=args.tasks or None, limit=args.limit, backend=args.backend, batch_size=args.batch_size,
                    device=args.device, seed=args.seed, train_data=args.train_data, tasks_dir=args.tasks_dir,
@@ -228,7 +229,8 @@ def _eval(args) -> None:
     try:
         if (target / "checkpoints").is_dir(): rows = evaluate_run(target, args.every, args.out, **options)
         elif args.every: raise EvalError(f"--every {args.every}: {target} has no checkpoints/; give a run folder, or drop --every")
-        else: rows = evaluate(target, out=args.out, endpoint=args.endpoint, **options)
+        else: rows = evaluate(target, out=args.out, endpoint=args.endpoint, api_key=args.api_key or os.environ.get(API_KEY_VARIABLE),
+                             **options)
     except (EvalError, ExportError) as e: raise SystemExit(_fail(e)) from None
     columns = [c for c in ("step", "task", "metric", "value", "stderr", "chance", "n", "contaminated") if c in rows[0]]
     print(pd.DataFrame(rows)[columns].to_string(index=False, float_format="{:.4g}".format))
@@ -261,6 +263,26 @@ def _serve(args) -> None:
     try: serve(args.export_dir, args.host, args.port, args.served_model_name, args.api_key, args.device, args.max_batch,
                args.log_level)
     except (ServeError, ExportError) as e: raise SystemExit(_fail(e)) from None
+
+def _batch(args) -> None:
+    from marin_study.batch import BatchError, BatchSettings, print_summary, run_batch, side_file, submit_batch
+    from marin_study.utils import JsonLinesError
+    settings = BatchSettings(args.model, args.max_tokens, args.temperature, args.top_p, args.seed)
+    options = dict(concurrency=args.concurrency, timeout=args.timeout, retries=args.retries)
+    try:
+        if args.slurm is None:
+            if args.dry_run: raise BatchError("--dry-run goes with --slurm N (it prints the array script)")
+            summary = run_batch(args.prompts, args.endpoint, args.out, settings, api_key=args.api_key, shard=args.shard, **options)
+            raise SystemExit(print_summary(summary))
+        if args.shard or args.api_key:
+            raise BatchError("--slurm N makes its own shards and writes no key into a script: drop --shard and --api-key, "
+                             "and export MARIN_STUDY_API_KEY instead (sbatch hands it to the tasks)")
+        script, jobs = submit_batch(args.prompts, args.endpoint, args.out, args.slurm, settings, params=args.params,
+                                    overrides=args.set, dry_run=args.dry_run, **options)
+    except (BatchError, JsonLinesError) as e: raise SystemExit(_fail(e)) from None
+    if not jobs: print(script, end="")
+    else: print(f"submitted array {jobs[0]} and merge job {jobs[1]}; answers in {args.out}, "
+                f"scripts and logs in {side_file(args.out, 'slurm')}/")
 
 # %% ../nbs/90_cli.ipynb #b2d34797
 def parser() -> argparse.ArgumentParser:
@@ -389,7 +411,8 @@ def parser() -> argparse.ArgumentParser:
     ev.add_argument("--out", help="eval.json's path (default: in the export or run folder); lm-eval's results go beside it")
     ev.add_argument("--backend", choices=["hf", "kit", "served"], default="hf",
                     help="transformers' model (default), our Transformer, or the export served at --endpoint")
-    ev.add_argument("--endpoint", help="an OpenAI-compatible server of the export, e.g. http://127.0.0.1:8000/v1 (key: $MARIN_STUDY_API_KEY)")
+    ev.add_argument("--endpoint", help="an OpenAI-compatible server of the export, e.g. http://127.0.0.1:8000/v1")
+    ev.add_argument("--api-key", help="with --endpoint: the server's key (default: $MARIN_STUDY_API_KEY)")
     ev.add_argument("--batch-size", type=int, default=8)
     ev.add_argument("--device", help="cpu or cuda (default: cuda when present)")
     ev.add_argument("--seed", type=int, default=0)
@@ -420,6 +443,26 @@ def parser() -> argparse.ArgumentParser:
     srv.add_argument("--max-batch", type=int, default=16, help="the most sequences decoded together (default: %(default)s)")
     srv.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     srv.set_defaults(run=_serve)
+
+    bt = sub.add_parser("batch", help="answer a JSON-lines file of prompts through an OpenAI-compatible endpoint (resumable)")
+    bt.add_argument("prompts", help='a JSON-lines file of {"id", "prompt"} or {"id", "messages"}')
+    bt.add_argument("--endpoint", required=True, help="the API's base URL, e.g. http://127.0.0.1:8000/v1")
+    bt.add_argument("--out", required=True, help="JSON-lines answers, one per id; a rerun skips those there and retries failures")
+    bt.add_argument("--concurrency", type=int, default=8, help="requests in flight at once (default: %(default)s)")
+    bt.add_argument("--timeout", type=float, default=60.0, help="seconds for each try of a request (default: %(default)s)")
+    bt.add_argument("--retries", type=int, default=3, help="retries of a failed request, with backoff (default: %(default)s)")
+    bt.add_argument("--api-key", help="the endpoint's key (default: $MARIN_STUDY_API_KEY, else none)")
+    bt.add_argument("--model", help="the model to ask for (default: the first the endpoint lists)")
+    bt.add_argument("--max-tokens", type=int, default=64)
+    bt.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    bt.add_argument("--top-p", type=float, default=1.0)
+    bt.add_argument("--seed", type=int, help="sent with every request (default: none; marin-study serve decodes a seeded request alone)")
+    bt.add_argument("--shard", metavar="K/N", help="only lines whose number minus 1 is K modulo N, into OUT's shard file")
+    bt.add_argument("--slurm", type=int, metavar="N", help="submit a Slurm array of N shards and a merge job instead")
+    bt.add_argument("--params", default="params/tiny.yaml", help="with --slurm: whose launch section (partition, time...) the jobs use")
+    bt.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="with --slurm: override a key, e.g. launch.partition=cpu")
+    bt.add_argument("--dry-run", action="store_true", help="with --slurm: print the array script, submit nothing")
+    bt.set_defaults(run=_batch)
     return ap
 
 # %% ../nbs/90_cli.ipynb #3615755b

@@ -277,12 +277,10 @@ def _lm_class():
     return KitLM
 
 # %% ../nbs/13d_evaluate.ipynb #7d1e5a41
-def _served_lm(folder: str | os.PathLike, endpoint: str, batch_size: int, seed: int):
+def _served_lm(folder: str | os.PathLike, endpoint: str, key: str | None, batch_size: int, seed: int):
     import httpx
     from lm_eval.models.openai_completions import LocalCompletionsAPI
-    from marin_study.serve import API_KEY_VARIABLE
 
-    key = os.environ.get(API_KEY_VARIABLE, "")
     try:
         answer = httpx.get(f"{endpoint.rstrip('/')}/models", headers={"Authorization": f"Bearer {key}"} if key else {}, timeout=30)
         answer.raise_for_status()
@@ -313,7 +311,7 @@ def _served_lm(folder: str | os.PathLike, endpoint: str, batch_size: int, seed: 
             finally: self.max_length += 1
 
         @property
-        def api_key(self) -> str: return key
+        def api_key(self) -> str: return key or ""
 
     # lm-eval keeps max_length - 1 positions; context + 1 lets a scored window predict one past them, as offline
     return ServedLM(model=served["id"], base_url=f"{endpoint.rstrip('/')}/completions", tokenizer=str(folder),
@@ -378,7 +376,8 @@ def flat_rows(results: dict, chance: dict[str, dict], shares: dict[str, float] |
 def evaluate(folder: str | os.PathLike, tasks: list[str] | None = None, limit: int | None = None,
              out: str | os.PathLike | None = None, backend: str = "hf", batch_size: int = 8, device: str | None = None,
              seed: int = 0, train_data: str | os.PathLike | None = None, tasks_dir: str | os.PathLike = TASKS_DIR,
-             data_dir: str | os.PathLike | None = None, endpoint: str | None = None) -> list[dict]:
+             data_dir: str | os.PathLike | None = None, endpoint: str | None = None,
+             api_key: str | None = None) -> list[dict]:
     "Run the suite's `tasks` on the export `folder`; writes `out` (default FOLDER/eval.json) and lm-eval's results beside it."
     folder = Path(folder)
     try: record = export_record(folder)
@@ -393,9 +392,9 @@ def evaluate(folder: str | os.PathLike, tasks: list[str] | None = None, limit: i
     specs = [_task_spec(t, data_dir) for t in chosen]
     _offline()
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-    with _bars_as_the_kit(): return _evaluate(folder, record, chosen, specs, limit, out, backend, batch_size, device, seed, train_data, endpoint)
+    with _bars_as_the_kit(): return _evaluate(folder, record, chosen, specs, limit, out, backend, batch_size, device, seed, train_data, endpoint, api_key)
 
-def _evaluate(folder, record, chosen, specs, limit, out, backend, batch_size, device, seed, train_data, endpoint) -> list[dict]:
+def _evaluate(folder, record, chosen, specs, limit, out, backend, batch_size, device, seed, train_data, endpoint, api_key) -> list[dict]:
     import lm_eval
     from lm_eval.tasks import TaskManager
     from lm_eval.utils import handle_non_serializable
@@ -414,7 +413,7 @@ def _evaluate(folder, record, chosen, specs, limit, out, backend, batch_size, de
         model, model_args = "hf", {"pretrained": str(folder), "dtype": dtype, "batch_size": batch_size, "device": device,
                                      "backend": "causal"}
     elif backend == "served":
-        model, model_args = _served_lm(folder, endpoint, batch_size, seed), None
+        model, model_args = _served_lm(folder, endpoint, api_key, batch_size, seed), None
     else:
         model, model_args = _lm_class()(folder, batch_size, device), None
     results = lm_eval.simple_evaluate(model=model, model_args=model_args, tasks=list(task_objects.values()), limit=limit,

@@ -30,7 +30,7 @@ from .generate import Sampling, load_generator
 # %% auto #0
 __all__ = ['API_KEY_VARIABLE', 'CompletionRequest', 'ChatMessage', 'ChatRequest', 'APIError', 'parse_request', 'Row',
            'decode_rows', 'score', 'Job', 'Scheduler', 'Served', 'complete', 'build_app', 'ServeError', 'bind',
-           'load_served', 'serve']
+           'load_served', 'serve', 'ServerProcess']
 
 # %% ../nbs/13f_serve.ipynb #c77fa207
 class _Sampled(BaseModel):
@@ -442,3 +442,49 @@ def serve(folder: str | os.PathLike, host: str = "127.0.0.1", port: int = 8000, 
         server.run(sockets=[sock])
     finally: sock.close()
     print("server stopped", file=sys.stderr, flush=True)
+
+# %% ../nbs/13f_serve.ipynb #f07b2485
+def _die_with_parent() -> None:
+    import ctypes
+    try: ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # 1 = PR_SET_PDEATHSIG
+    except OSError: pass  # not Linux: stop() and the with block still stop it
+
+class ServerProcess:
+    "`marin-study serve EXPORT` as a child process on a free port: `url`, `key`, `log`; `stop()` sends SIGTERM."
+    def __init__(self, export_dir: str | os.PathLike, log: str | os.PathLike, *args: str, key: str | None = None,
+                 timeout: float = 300):
+        import re
+        import subprocess
+        import httpx
+        self.key, self.log = key, Path(log)
+        command = [str(Path(sys.executable).parent / "marin-study"), "serve", str(export_dir), "--port", "0",
+                   "--log-level", "warning", *args, *(["--api-key", key] if key else [])]
+        with open(self.log, "w") as out:
+            self.proc = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, preexec_fn=_die_with_parent)
+        headers = {"Authorization": f"Bearer {key}"} if key else {}
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise ServeError(f"the server of {export_dir} exited {self.proc.returncode}: {self.log.read_text().strip()[-2000:]}")
+            if found := re.search(r"on (http://\S+:(\d+)/v1)", self.log.read_text()):
+                self.url, self.port = found[1], int(found[2])
+                try:
+                    if httpx.get(f"{self.url.removesuffix('/v1')}/health", headers=headers, timeout=5).status_code == 200: return
+                except httpx.TransportError: pass
+            time.sleep(0.1)
+        self.stop()
+        raise ServeError(f"the server of {export_dir} did not answer within {timeout:.0f} s; its log: {self.log}")
+
+    def stop(self, timeout: float = 30) -> int:
+        "SIGTERM, then SIGKILL if it has not stopped within `timeout` seconds; the exit code."
+        import subprocess
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try: self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        return self.proc.returncode
+
+    def __enter__(self): return self
+    def __exit__(self, *exc): self.stop()

@@ -1,11 +1,9 @@
 import dataclasses
 import os
 import shutil
-import signal
 import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -160,38 +158,11 @@ def tiny_export(reference, pipeline, tmp_path_factory) -> Path:
     return out
 
 
-class Server:
-    "A real `marin-study serve` process on a free port of this machine; its log in `log`."
-    def __init__(self, export_dir: Path, log: Path, *args: str, key: str | None = None):
-        import httpx
-        self.port, self.key, self.log = free_port(), key, log
-        self.url = f"http://127.0.0.1:{self.port}/v1"
-        extra = [*args, *(["--api-key", key] if key else [])]
-        with open(log, "w") as out:
-            self.proc = subprocess.Popen([str(BIN / "marin-study"), "serve", str(export_dir), "--port", str(self.port),
-                                          "--log-level", "warning", *extra], stdout=out, stderr=subprocess.STDOUT)
-        headers = {"Authorization": f"Bearer {key}"} if key else {}
-        for _ in range(600):
-            if self.proc.poll() is not None: raise RuntimeError(f"the server exited {self.proc.returncode}:\n{log.read_text()}")
-            try:
-                if httpx.get(f"http://127.0.0.1:{self.port}/health", headers=headers, timeout=2).status_code == 200: return
-            except httpx.TransportError: pass
-            time.sleep(0.1)
-        self.stop()
-        raise RuntimeError(f"the server did not answer within 60 s:\n{log.read_text()}")
-
-    def stop(self, timeout: float = 30) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try: self.proc.wait(timeout)
-            except subprocess.TimeoutExpired: self.proc.kill(); self.proc.wait()
-        return self.proc.returncode
-
-
 @pytest.fixture(scope="session")
 def server(tiny_export, tmp_path_factory):
     "One server of the tiny export for the session, with an API key; stopped with SIGTERM at the end."
-    srv = Server(tiny_export, tmp_path_factory.mktemp("server") / "serve.log", key="test-key")
+    from marin_study.serve import ServerProcess
+    srv = ServerProcess(tiny_export, tmp_path_factory.mktemp("server") / "serve.log", key="test-key")
     yield srv
     srv.stop()
 

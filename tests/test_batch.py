@@ -181,7 +181,7 @@ def test_an_endpoint_that_dies_mid_run_is_not_sent_the_rest_and_a_rerun_finishes
     try:
         server.healed = True
         again = run_batch(prompts, server.url, out, retries=1)
-        assert (again["done"], again["skipped"]) == (4, 2) and ids_in(out) == [0, 1, 2, 3, 4, 5]
+        assert (again["done"], again["skipped"]) == (4, 2) and sorted(ids_in(out)) == [0, 1, 2, 3, 4, 5]  # each once, in the order answered
     finally: server.close()
 
 

@@ -6,8 +6,9 @@ import subprocess
 import httpx
 import pytest
 
-from conftest import BIN, Server, run
+from conftest import BIN, run
 from marin_study.generate import Sampling, generate_batch, load_generator
+from marin_study.serve import ServerProcess
 
 openai = pytest.importorskip("openai")
 PROMPT = "The river ran through the"
@@ -122,13 +123,13 @@ def test_a_wrong_or_missing_key_is_a_401_on_every_route(server):
         assert httpx.get(f"http://127.0.0.1:{server.port}{path}").status_code == 401
 
 
-def test_served_metrics_equal_the_export_offline(server, tiny_export, suite, tmp_path, monkeypatch):
+def test_served_metrics_equal_the_export_offline(server, tiny_export, suite, tmp_path):
     "The third leg of 'same behaviour before and after deployment': lm-eval over HTTP gives the offline numbers."
     from marin_study.evaluate import evaluate
     data_dir, _ = suite
     tasks = ["ppl_web", "cloze_books", "choice_heldout", "complete_code"]
-    monkeypatch.setenv("MARIN_STUDY_API_KEY", server.key)
-    served = evaluate(tiny_export, tasks, limit=8, out=tmp_path / "served.json", endpoint=server.url, data_dir=data_dir)
+    served = evaluate(tiny_export, tasks, limit=8, out=tmp_path / "served.json", endpoint=server.url, api_key=server.key,
+                      data_dir=data_dir)
     offline = evaluate(tiny_export, tasks, limit=8, out=tmp_path / "offline.json", data_dir=data_dir)
     assert {r["backend"] for r in served} == {"served"}
     pairs = {(r["task"], r["metric"]): r["value"] for r in offline}
@@ -149,6 +150,6 @@ def test_refusals_before_loading(server, tiny_export, tmp_path):
 
 
 def test_sigterm_stops_the_server_cleanly(tiny_export, tmp_path):
-    srv = Server(tiny_export, tmp_path / "serve.log")
+    srv = ServerProcess(tiny_export, tmp_path / "serve.log")
     assert srv.stop() == 0
     assert "server stopped" in srv.log.read_text()
