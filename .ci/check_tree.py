@@ -36,6 +36,10 @@ NOT_BIT_REPRODUCIBLE = {
     "runs/tiny/eval_tiny.ipynb": "papermill timings, and the scores of those weights",
     "reports/eval_tiny.html": "rendered from that executed notebook",
     "reports/eval_tiny.json": "the newest checkpoint's scores",
+    "runs/tiny/serve_tiny.ipynb": "papermill timings, and the answers of those weights",
+    "runs/tiny/serve": "the served answers of those weights, with their latencies, and the server's log",
+    "reports/serve_tiny.html": "rendered from that executed notebook",
+    "reports/serve_tiny.json": "this machine's latency and throughput",
     "reports/book": "the executed chapters print timings (the loader's speed, the optimizer's step) and embed plots",
 }
 

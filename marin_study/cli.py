@@ -227,6 +227,8 @@ def _eval(args) -> None:
                    device=args.device, seed=args.seed, train_data=args.train_data, tasks_dir=args.tasks_dir,
                    data_dir=args.data_dir)
     try:
+        if args.endpoint and (target / "checkpoints").is_dir():
+            raise EvalError(f"--endpoint {args.endpoint}: a server answers for one export; give its folder, not the run {target}")
         if (target / "checkpoints").is_dir(): rows = evaluate_run(target, args.every, args.out, **options)
         elif args.every: raise EvalError(f"--every {args.every}: {target} has no checkpoints/; give a run folder, or drop --every")
         else: rows = evaluate(target, out=args.out, endpoint=args.endpoint, api_key=args.api_key or os.environ.get(API_KEY_VARIABLE),

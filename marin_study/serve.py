@@ -29,8 +29,8 @@ from .generate import Sampling, load_generator
 
 # %% auto #0
 __all__ = ['API_KEY_VARIABLE', 'CompletionRequest', 'ChatMessage', 'ChatRequest', 'APIError', 'parse_request', 'Row',
-           'decode_rows', 'score', 'Job', 'Scheduler', 'Served', 'complete', 'build_app', 'ServeError', 'bind',
-           'load_served', 'serve', 'ServerProcess']
+           'decode_rows', 'score', 'Job', 'Scheduler', 'Served', 'complete', 'completion_rows', 'build_app',
+           'ServeError', 'bind', 'load_served', 'serve', 'ServerProcess']
 
 # %% ../nbs/13f_serve.ipynb #c77fa207
 class _Sampled(BaseModel):
@@ -100,13 +100,18 @@ class Row:
     sent: int = 0                                  # characters of `text` already streamed
 
     def add(self, token: int, eos_id: int, tokenizer) -> None:
-        if token == eos_id: self.finish_reason = "stop"
-        else:
-            self.tokens.append(token)
-            self.text = tokenizer.decode(self.tokens)
-            cut = min((i for i in (self.text.find(s) for s in self.stops) if i >= 0), default=-1)
-            if cut >= 0: self.text, self.finish_reason = self.text[:cut], "stop"
-            elif len(self.tokens) >= self.max_tokens: self.finish_reason = "length"
+        if token == eos_id: return self.finish("stop")
+        self.tokens.append(token)
+        self.text = tokenizer.decode(self.tokens)
+        cut = min((i for i in (self.text.find(s) for s in self.stops) if i >= 0), default=-1)
+        if cut >= 0:
+            self.text = self.text[:cut]
+            self.finish("stop")
+        elif len(self.tokens) >= self.max_tokens: self.finish("length")
+        elif self.on_text: self._stream()
+
+    def finish(self, reason: str) -> None:
+        if self.finish_reason is None: self.finish_reason = reason
         if self.on_text: self._stream()
 
     def _stream(self) -> None:
@@ -118,27 +123,27 @@ class Row:
             self.sent = len(visible)
 
 # %% ../nbs/13f_serve.ipynb #4740f5eb
-def _watch(rows: list[Row], tokenizer):
+def _watch(rows: list[Row], tokenizer, after_step: Callable[[], None]):
     from transformers import StoppingCriteria
 
     class Watch(StoppingCriteria):
         def __call__(self, input_ids_BT: torch.Tensor, scores, **kwargs) -> torch.Tensor:
             for row, token in zip(rows, input_ids_BT[:, -1].tolist()):
                 if row.finish_reason is None: row.add(token, tokenizer.eos_token_id, tokenizer)
+            after_step()
             return torch.tensor([row.finish_reason is not None for row in rows], device=input_ids_BT.device)
     return Watch()
 
 @torch.no_grad()
-def decode_rows(model, tokenizer, rows: list[Row], sampling: Sampling) -> None:
+def decode_rows(model, tokenizer, rows: list[Row], sampling: Sampling, after_step: Callable[[], None] = lambda: None) -> None:
     "Continue every row in one generate() call; each stops at its own limit, stop strings or end of document."
     from transformers import StoppingCriteriaList
     batch = tokenizer.pad({"input_ids": [r.prompt_ids for r in rows]}, return_tensors="pt").to(model.device)
     sampling = dataclasses.replace(sampling, max_new_tokens=max(r.max_tokens for r in rows))
     torch.manual_seed(sampling.seed)
     model.generate(**batch, **sampling.generate_kwargs(), pad_token_id=tokenizer.pad_token_id,
-                   stopping_criteria=StoppingCriteriaList([_watch(rows, tokenizer)]))
-    for row in rows:  # a row that ran to the end of the batch's budget without its own stop
-        if row.finish_reason is None: row.finish_reason = "length"
+                   stopping_criteria=StoppingCriteriaList([_watch(rows, tokenizer, after_step)]))
+    for row in rows: row.finish("length")  # a row that ran to the end of the batch's budget without its own stop
 
 @torch.no_grad()
 def score(model, sequences: list[list[int]], top: int = 0) -> list[tuple[list[float | None], list[dict[int, float]]]]:
@@ -173,8 +178,14 @@ class Scheduler:
         self.model, self.tokenizer, self.max_batch = model, tokenizer, max_batch
         self.waiting: list[Job] = []
         self.wake = threading.Condition()
+        self.model_lock = threading.Lock()  # decoding and scoring take turns: generate() changes the model's state
         self.batches = self.rows_decoded = 0
         threading.Thread(target=self._work, name="decode", daemon=True).start()
+
+    async def score(self, sequences: list[list[int]], top: int):
+        def locked():
+            with self.model_lock: return score(self.model, sequences, top)
+        return await asyncio.to_thread(locked)
 
     async def run(self, rows: list[Row], sampling: Sampling, seeded: bool) -> None:
         loop = asyncio.get_running_loop()
@@ -197,18 +208,32 @@ class Scheduler:
                         size += len(job.rows)
             return jobs
 
+    @staticmethod
+    def _answer(job: Job, error: Exception | None = None) -> None:
+        def settle(f: asyncio.Future):
+            if not f.done(): f.set_result(None) if error is None else f.set_exception(error)
+        try: job.loop.call_soon_threadsafe(settle, job.done)
+        except RuntimeError: pass  # its event loop is closed: nobody waits for it any more
+
     def _work(self) -> None:
         while True:
             jobs = self._take()
-            rows = [row for job in jobs for row in job.rows]
+            for row in (r for job in jobs for r in job.rows if r.max_tokens == 0): row.finish("length")  # scored only
+            rows = [r for job in jobs for r in job.rows if r.max_tokens > 0]
+            answered: set[int] = set()
+            def answer_finished():
+                for k, job in enumerate(jobs):
+                    if k not in answered and all(r.finish_reason for r in job.rows):
+                        answered.add(k)
+                        self._answer(job)
             try:
-                if any(r.max_tokens for r in rows): decode_rows(self.model, self.tokenizer, rows, jobs[0].sampling)
-                error = None
-            except Exception as e: error = e
+                if rows:
+                    with self.model_lock: decode_rows(self.model, self.tokenizer, rows, jobs[0].sampling, answer_finished)
+                answer_finished()
+            except Exception as e:
+                for k, job in enumerate(jobs):
+                    if k not in answered: self._answer(job, e)
             self.batches, self.rows_decoded = self.batches + 1, self.rows_decoded + len(rows)
-            for job in jobs:
-                finish = (lambda f: f.set_result(None)) if error is None else (lambda f, e=error: f.set_exception(e))
-                job.loop.call_soon_threadsafe(lambda f=job.done, fn=finish: f.done() or fn(f))
 
 # %% ../nbs/13f_serve.ipynb #e88aa80e
 @dataclass
@@ -226,9 +251,19 @@ class Served:
 def _check_fits(served: Served, prompt_ids: list[int], max_tokens: int, scoring: bool, which: str) -> None:
     room = served.limit + (1 if scoring and max_tokens == 0 else 0)  # a scored last token is only predicted
     if not prompt_ids: raise APIError(400, f"{which}: the prompt is empty; give at least one token", param="prompt")
+    vocab = served.model.config.vocab_size
+    if bad := [t for t in prompt_ids if not 0 <= t < vocab]:
+        raise APIError(400, f"{which}: token id {bad[0]} is not in the vocabulary (0 to {vocab - 1})", param="prompt")
+    if max_tokens == 0 and not scoring:
+        raise APIError(400, "max_tokens: 0 only makes sense with echo (to score the prompt); ask for at least 1", param="max_tokens")
     if len(prompt_ids) + max_tokens > room:
         raise APIError(400, f"{which}: {len(prompt_ids)} prompt tokens + max_tokens {max_tokens} exceed the model's context "
                             f"of {served.limit} positions; shorten the prompt or lower max_tokens", param="max_tokens")
+
+def _check_rows(served: Served, rows: int) -> None:
+    if rows > served.scheduler.max_batch:
+        raise APIError(400, f"prompts x n = {rows} sequences, more than this server decodes at once ({served.scheduler.max_batch}, "
+                            "--max-batch); send fewer prompts per request", param="n")
 
 def _sampling(req: _Sampled, max_tokens: int) -> tuple[Sampling, bool]:
     seed = req.seed if req.seed is not None else secrets.randbits(31)
@@ -254,31 +289,29 @@ def _logprobs_block(served: Served, ids: list[int], lps: list, tops: list, start
     "OpenAI's legacy logprobs object for tokens `ids[start:]`."
     tok = served.tokenizer
     pieces = [tok.decode([i]) for i in ids]
-    offsets = [sum(len(p) for p in pieces[:k]) for k in range(len(pieces))]
+    offsets = [len(tok.decode(ids[:k])) for k in range(len(ids))]  # of the decoded text, multi-byte characters included
     return {"tokens": pieces[start:], "token_logprobs": lps[start:], "text_offset": offsets[start:],
             "top_logprobs": [{tok.decode([i]): v for i, v in t.items()} if t else None for t in tops[start:]]}
 
 async def complete(served: Served, req: CompletionRequest) -> tuple[list[Row], list[list[int]], list[dict]]:
     "Rows for every prompt and choice, decoded; and the logprobs blocks when asked for."
     prompts = _prompts(served, req)
-    max_tokens = 16 if req.max_tokens is None else req.max_tokens
-    if max_tokens == 0 and not req.echo:
-        raise APIError(400, "max_tokens: 0 only makes sense with echo (to score the prompt); ask for at least 1", param="max_tokens")
-    for k, ids in enumerate(prompts): _check_fits(served, ids, max_tokens, req.echo, f"prompt {k}")
-    rows = [Row(ids, max_tokens, req.stops) for ids in prompts for _ in range(req.n)]
+    rows, max_tokens = completion_rows(served, req, prompts, scoring=req.echo)
     await served.scheduler.run(rows, *_sampling(req, max_tokens))
     blocks = []
     if req.logprobs is not None:
         sequences = [row.prompt_ids + row.tokens for row in rows]
-        scored = await asyncio.to_thread(_score_locked, served, sequences, max(req.logprobs, 1))
+        scored = await served.scheduler.score(sequences, max(req.logprobs, 1))
         blocks = [_logprobs_block(served, seq, lps, tops, 0 if req.echo else len(row.prompt_ids))
                   for row, seq, (lps, tops) in zip(rows, sequences, scored)]
     return rows, prompts, blocks
 
-_score_lock = threading.Lock()
-
-def _score_locked(served: Served, sequences: list[list[int]], top: int):
-    with _score_lock: return score(served.model, sequences, top)
+def completion_rows(served: Served, req: CompletionRequest, prompts: list[list[int]], scoring: bool) -> tuple[list[Row], int]:
+    "A row per prompt and choice, after checking each fits; and the max_tokens they use (OpenAI's default: 16)."
+    max_tokens = 16 if req.max_tokens is None else req.max_tokens
+    for k, ids in enumerate(prompts): _check_fits(served, ids, max_tokens, scoring, f"prompt {k}")
+    _check_rows(served, len(prompts) * req.n)
+    return [Row(ids, max_tokens, req.stops) for ids in prompts for _ in range(req.n)], max_tokens
 
 # %% ../nbs/13f_serve.ipynb #3713aa91
 def _chat_prompt(served: Served, req: ChatRequest) -> list[int]:
@@ -295,13 +328,16 @@ def _stream(served: Served, rows: list[Row], run, chunk: Callable[[int, str | No
     async def events():
         task = asyncio.create_task(run())
         task.add_done_callback(lambda _: queue.put_nowait(None))
-        while (item := await queue.get()) is not None: yield _sse(chunk(item[0], item[1], None))
-        if task.exception() is not None:
-            yield _sse({"error": {"message": f"generation failed: {task.exception()}", "type": "server_error"}})
-        else:
-            for k, row in enumerate(rows): yield _sse(chunk(k, None, row.finish_reason))
-            if usage is not None: yield _sse({**chunk(0, None, None), "choices": [], "usage": usage()})
-        yield _sse("[DONE]")
+        try:
+            while (item := await queue.get()) is not None: yield _sse(chunk(item[0], item[1], None))
+            if task.exception() is not None:
+                yield _sse({"error": {"message": f"generation failed: {task.exception()}", "type": "server_error"}})
+            else:
+                for k, row in enumerate(rows): yield _sse(chunk(k, None, row.finish_reason))
+                if usage is not None: yield _sse({**chunk(0, None, None), "choices": [], "usage": usage()})
+            yield _sse("[DONE]")
+        finally:  # the client left (or all is sent): its rows stop decoding at the next step
+            for row in rows: row.finish_reason = row.finish_reason or "cancelled"
     return StreamingResponse(events(), media_type="text/event-stream")
 
 # %% ../nbs/13f_serve.ipynb #28b7f70a
@@ -318,8 +354,7 @@ def build_app(served: Served):
                 error = APIError(401, "missing or wrong API key: send it as 'Authorization: Bearer KEY' "
                                       "(the openai client's api_key)", kind="authentication_error")
                 return JSONResponse(error.body(), status_code=401)
-        try: return await call_next(request)
-        except APIError as e: return JSONResponse(e.body(), status_code=e.status)
+        return await call_next(request)
 
     @app.exception_handler(APIError)
     async def refuse(request: Request, e: APIError): return JSONResponse(e.body(), status_code=e.status)
@@ -356,9 +391,7 @@ def build_app(served: Served):
         if req.stream:
             if req.echo or req.logprobs is not None: raise APIError(400, "stream: not with echo or logprobs; ask without streaming", param="stream")
             prompts = _prompts(served, req)
-            max_tokens = 16 if req.max_tokens is None else req.max_tokens
-            for k, ids in enumerate(prompts): _check_fits(served, ids, max_tokens, False, f"prompt {k}")
-            rows = [Row(ids, max_tokens, req.stops) for ids in prompts for _ in range(req.n)]
+            rows, max_tokens = completion_rows(served, req, prompts, scoring=False)
             include = (req.stream_options or {}).get("include_usage")
             return _stream(served, rows, lambda: served.scheduler.run(rows, *_sampling(req, max_tokens)), chunk,
                            (lambda: _usage(rows, prompts)) if include else None)
@@ -377,8 +410,9 @@ def build_app(served: Served):
         check_model(req.model)
         prompt = _chat_prompt(served, req)
         asked = req.max_completion_tokens or req.max_tokens
-        max_tokens = asked if asked is not None else served.limit - len(prompt)
+        max_tokens = asked if asked is not None else max(served.limit - len(prompt), 1)  # default: the rest of the context
         _check_fits(served, prompt, max_tokens, False, "messages")
+        _check_rows(served, req.n)
         rows = [Row(prompt, max_tokens, req.stops) for _ in range(req.n)]
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
 
@@ -395,7 +429,7 @@ def build_app(served: Served):
         return {"id": rid, "object": "chat.completion", "created": created, "model": served.name,
                 "choices": [{"index": k, "message": {"role": "assistant", "content": row.text}, "finish_reason": row.finish_reason}
                             for k, row in enumerate(rows)],
-                "usage": _usage(rows, [prompt] * len(rows))}
+                "usage": _usage(rows, [prompt])}
     return app
 
 # %% ../nbs/13f_serve.ipynb #70dd17a8
@@ -409,18 +443,22 @@ def bind(host: str, port: int) -> socket.socket:
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try: sock.bind((host, port))
-    except OSError as e:
+    except (OSError, OverflowError) as e:
         sock.close()
-        raise ServeError(f"{host}:{port}: cannot listen there ({e.strerror}); pick another --port (0 picks a free one)") from None
+        why = getattr(e, "strerror", None) or str(e)
+        raise ServeError(f"{host}:{port}: cannot listen there ({why}); pick another --port (0 picks a free one)") from None
     sock.listen(128)
     return sock
 
 def load_served(folder: str | os.PathLike, name: str | None = None, api_key: str | None = None, device: str | None = None,
                 max_batch: int = 16) -> Served:
     "An export folder loaded for serving; `name` defaults to the folder as given, as vLLM names its models."
+    if max_batch < 1: raise ServeError(f"--max-batch {max_batch}: give at least 1 sequence")
     model, tokenizer = load_generator(folder)
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-    model = model.to(device)
+    try: model = model.to(device)
+    except (RuntimeError, AssertionError) as e:
+        raise ServeError(f"--device {device}: cannot put the model there ({str(e).splitlines()[0]}); use cpu, or cuda on a GPU machine") from None
     return Served(Path(folder), name or str(folder), model, tokenizer, Scheduler(model, tokenizer, max_batch),
                   model.config.max_position_embeddings, api_key or os.environ.get(API_KEY_VARIABLE) or None)
 
@@ -433,6 +471,7 @@ def serve(folder: str | os.PathLike, host: str = "127.0.0.1", port: int = 8000, 
         served = load_served(folder, name, api_key, device, max_batch)
         config = uvicorn.Config(build_app(served), log_level=log_level, timeout_graceful_shutdown=30)
         host, port = sock.getsockname()[:2]
+        host = f"[{host}]" if ":" in host else host
         print(f"serving {folder} as {served.name!r} on http://{host}:{port}/v1 ("
               f"{'API key required' if served.api_key else 'no API key'}); stop with Ctrl+C or SIGTERM", file=sys.stderr, flush=True)
         server = uvicorn.Server(config)
@@ -453,26 +492,32 @@ class ServerProcess:
     "`marin-study serve EXPORT` as a child process on a free port: `url`, `key`, `log`; `stop()` sends SIGTERM."
     def __init__(self, export_dir: str | os.PathLike, log: str | os.PathLike, *args: str, key: str | None = None,
                  timeout: float = 300):
-        import re
         import subprocess
-        import httpx
         self.key, self.log = key, Path(log)
         command = [str(Path(sys.executable).parent / "marin-study"), "serve", str(export_dir), "--port", "0",
-                   "--log-level", "warning", *args, *(["--api-key", key] if key else [])]
-        with open(self.log, "w") as out:
-            self.proc = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, preexec_fn=_die_with_parent)
-        headers = {"Authorization": f"Bearer {key}"} if key else {}
+                   "--log-level", "warning", *args]
+        env = {k: v for k, v in os.environ.items() if k != API_KEY_VARIABLE} | ({API_KEY_VARIABLE: key} if key else {})
+        with open(self.log, "w") as out:  # the key goes by environment: a command line is visible to all in `ps`
+            self.proc = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env, preexec_fn=_die_with_parent)
+        try: self._wait_until_ready(export_dir, {"Authorization": f"Bearer {key}"} if key else {}, timeout)
+        except BaseException:
+            self.stop()
+            raise
+
+    def _wait_until_ready(self, export_dir, headers: dict, timeout: float) -> None:
+        import re
+        import httpx
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 raise ServeError(f"the server of {export_dir} exited {self.proc.returncode}: {self.log.read_text().strip()[-2000:]}")
             if found := re.search(r"on (http://\S+:(\d+)/v1)", self.log.read_text()):
                 self.url, self.port = found[1], int(found[2])
-                try:
-                    if httpx.get(f"{self.url.removesuffix('/v1')}/health", headers=headers, timeout=5).status_code == 200: return
-                except httpx.TransportError: pass
+                try: status = httpx.get(f"{self.url.removesuffix('/v1')}/health", headers=headers, timeout=5).status_code
+                except httpx.TransportError: status = None
+                if status == 200: return
+                if status == 401: raise ServeError(f"the server of {export_dir} wants another API key than the one given")
             time.sleep(0.1)
-        self.stop()
         raise ServeError(f"the server of {export_dir} did not answer within {timeout:.0f} s; its log: {self.log}")
 
     def stop(self, timeout: float = 30) -> int:

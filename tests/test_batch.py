@@ -65,8 +65,8 @@ def test_a_batch_answers_each_good_line_once_names_the_bad_ones_and_a_rerun_send
 
 def test_killed_with_sigkill_mid_run_a_rerun_leaves_every_id_exactly_once(server, tmp_path):
     prompts, out = tmp_path / "prompts.jsonl", tmp_path / "answers.jsonl"
-    good = write_prompts(prompts, 8)
-    command = [BIN / "marin-study", "batch", prompts, "--endpoint", server.url, "--out", out, "--max-tokens", 4,
+    good = write_prompts(prompts, 40)  # enough that no machine answers them all between two looks at the file
+    command = [BIN / "marin-study", "batch", prompts, "--endpoint", server.url, "--out", out, "--max-tokens", 8,
                "--concurrency", 2]
     proc = subprocess.Popen(list(map(str, command)), env={**os.environ, "MARIN_STUDY_API_KEY": "test-key"},
                             cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE)

@@ -40,6 +40,9 @@ def test_chat_completion_counts_its_tokens(client, server, offline):
     assert answer.choices[0].message.content == expected["completion"]
     assert answer.usage.completion_tokens == expected["new_tokens"]
     assert answer.choices[0].finish_reason == expected["finish_reason"]
+    two = client.chat.completions.create(model=server_model(client), messages=messages, max_tokens=12, n=2, temperature=0)
+    assert two.usage.prompt_tokens == answer.usage.prompt_tokens  # the prompt is read once, however many choices
+    assert [c.message.content for c in two.choices] == [expected["completion"]] * 2
 
 
 def server_model(client) -> str:
@@ -113,6 +116,11 @@ def test_bad_json_and_bad_fields_are_400s(server):
     assert hot.status_code == 400 and hot.json()["error"]["param"] == "temperature"
     wrong = httpx.post(f"{server.url}/completions", json={"prompt": "x", "model": "gpt-4"}, headers=headers)
     assert wrong.status_code == 404 and "is not served here" in wrong.json()["error"]["message"]
+    for body, says in [({"prompt": [[5, 999999]]}, "token id 999999 is not in the vocabulary"),
+                       ({"prompt": "x", "max_tokens": 0}, "max_tokens: 0 only makes sense with echo"),
+                       ({"prompt": ["x"] * 5, "n": 4}, "more than this server decodes at once")]:
+        refused = httpx.post(f"{server.url}/completions", json=body, headers=headers)
+        assert refused.status_code == 400 and says in refused.json()["error"]["message"], refused.text
 
 
 def test_a_wrong_or_missing_key_is_a_401_on_every_route(server):
