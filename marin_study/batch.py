@@ -242,6 +242,7 @@ def run_batch(prompts: str | os.PathLike, endpoint: str, out: str | os.PathLike,
     atomic_write(side_file(out, "summary.json"), json.dumps(summary, indent=1, ensure_ascii=False) + "\n")
     return summary
 
+# %% ../nbs/13g_batch.ipynb #b7a1c01d
 def print_summary(summary: dict) -> int:
     "Print a job's summary (bad lines and what to do on stderr); the exit code: 1 when lines were bad or requests failed."
     s, bad = summary, summary["bad_lines"]

@@ -394,6 +394,7 @@ def evaluate(folder: str | os.PathLike, tasks: list[str] | None = None, limit: i
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     with _bars_as_the_kit(): return _evaluate(folder, record, chosen, specs, limit, out, backend, batch_size, device, seed, train_data, endpoint, api_key)
 
+# %% ../nbs/13d_evaluate.ipynb #5b0e11a9
 def _evaluate(folder, record, chosen, specs, limit, out, backend, batch_size, device, seed, train_data, endpoint, api_key) -> list[dict]:
     import lm_eval
     from lm_eval.tasks import TaskManager

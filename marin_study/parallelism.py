@@ -357,13 +357,7 @@ def _magnitude(n: int) -> str:
 
 def _plural(n: float, noun: str) -> str: return f"{n} {noun}{'' if n == 1 else 's'}"
 
-# The settings both engines take, under each one's names: the command and its model folder, the tensor- and
-# pipeline-parallel degrees, the longest sequence, the sequences in flight and the fraction of GPU memory to fill
-SERVE_FLAGS = {"vllm": ("vllm serve", "--tensor-parallel-size", "--pipeline-parallel-size", "--max-model-len",
-                        "--max-num-seqs", "--gpu-memory-utilization"),
-               "sglang": ("python -m sglang.launch_server --model-path", "--tp-size", "--pp-size", "--context-length",
-                          "--max-running-requests", "--mem-fraction-static")}
-
+# %% ../nbs/09_parallelism.ipynb #21129600
 @dataclass(frozen=True)
 class InferencePlan:
     "What serving a model takes: the bytes by term, the GPUs, and the tensor- and pipeline-parallel degrees."
@@ -425,33 +419,42 @@ class InferencePlan:
 
     def vllm_command(self, export: str = "EXPORT_DIR", name: str = "marin") -> str:
         "`vllm serve` for an export folder; past one node, on a Ray cluster started first."
-        return self._command("vllm", export, name,
-                             f"# {self.nodes} nodes: start a Ray cluster first (`ray start --head --port 6379` on the head "
-                             "node, `ray start --address HEAD_IP:6379` on each other one), then run this on the head node",
-                             ["--distributed-executor-backend ray"])
+        return _serve_command(self, "vllm", export, name,
+                              f"# {self.nodes} nodes: start a Ray cluster first (`ray start --head --port 6379` on the head "
+                              "node, `ray start --address HEAD_IP:6379` on each other one), then run this on the head node",
+                              ["--distributed-executor-backend ray"])
 
     def sglang_command(self, export: str = "EXPORT_DIR", name: str = "marin") -> str:
         "`sglang.launch_server` for an export folder; past one node, the same line on every node with its rank."
-        return self._command("sglang", export, name,
-                             f"# run on each of the {self.nodes} nodes, NODE_RANK 0 to {self.nodes - 1}; "
-                             "HEAD_IP is node 0's address",
-                             [f"--nnodes {self.nodes}", "--node-rank NODE_RANK", "--dist-init-addr HEAD_IP:5000"])
+        return _serve_command(self, "sglang", export, name,
+                              f"# run on each of the {self.nodes} nodes, NODE_RANK 0 to {self.nodes - 1}; "
+                              "HEAD_IP is node 0's address",
+                              [f"--nnodes {self.nodes}", "--node-rank NODE_RANK", "--dist-init-addr HEAD_IP:5000"])
 
-    def _command(self, engine: str, export: str, name: str, multi_node_note: str, multi_node_flags: list[str]) -> str:
-        "One engine's line, under the notes it needs."
-        start, *flags = SERVE_FLAGS[engine]
-        values = (self.tp, self.pp, self.context, self.batch, self.util)
-        line = [f"{start} {export}", *(f"{flag} {value}" for flag, value in zip(flags, values)),
-                f"--served-model-name {name}", "--dtype float32" if self.precision == "fp32" else "--dtype bfloat16",
-                "--trust-remote-code"]
-        notes = []
-        if self.precision == "fp8": line.append("--quantization fp8")   # both engines quantize a 16-bit export as it loads
-        if self.precision in ("int8", "int4"):
-            notes.append(f"# {self.precision}: serve an {self.precision} copy of the export (GPTQ, AWQ or compressed-tensors); "
-                         "the engine reads its method from that folder's config.json, so no flag names it")
-        if self.kv_precision == "fp8": line.append("--kv-cache-dtype fp8_e4m3")
-        if self.nodes > 1: notes, line = notes + [multi_node_note], line + multi_node_flags
-        return "\n".join(notes + [" \\\n    ".join(line)])
+# %% ../nbs/09_parallelism.ipynb #b37d7191
+# The settings both engines take, under each one's names: the command and its model folder, the tensor- and
+# pipeline-parallel degrees, the longest sequence, the sequences in flight and the fraction of GPU memory to fill
+SERVE_FLAGS = {"vllm": ("vllm serve", "--tensor-parallel-size", "--pipeline-parallel-size", "--max-model-len",
+                        "--max-num-seqs", "--gpu-memory-utilization"),
+               "sglang": ("python -m sglang.launch_server --model-path", "--tp-size", "--pp-size", "--context-length",
+                          "--max-running-requests", "--mem-fraction-static")}
+
+def _serve_command(plan: InferencePlan, engine: str, export: str, name: str, multi_node_note: str,
+                   multi_node_flags: list[str]) -> str:
+    "One engine's line for `plan`, under the notes it needs."
+    start, *flags = SERVE_FLAGS[engine]
+    values = (plan.tp, plan.pp, plan.context, plan.batch, plan.util)
+    line = [f"{start} {export}", *(f"{flag} {value}" for flag, value in zip(flags, values)),
+            f"--served-model-name {name}", "--dtype float32" if plan.precision == "fp32" else "--dtype bfloat16",
+            "--trust-remote-code"]
+    notes = []
+    if plan.precision == "fp8": line.append("--quantization fp8")   # both engines quantize a 16-bit export as it loads
+    if plan.precision in ("int8", "int4"):
+        notes.append(f"# {plan.precision}: serve an {plan.precision} copy of the export (GPTQ, AWQ or compressed-tensors); "
+                     "the engine reads its method from that folder's config.json, so no flag names it")
+    if plan.kv_precision == "fp8": line.append("--kv-cache-dtype fp8_e4m3")
+    if plan.nodes > 1: notes, line = notes + [multi_node_note], line + multi_node_flags
+    return "\n".join(notes + [" \\\n    ".join(line)])
 
 # %% ../nbs/09_parallelism.ipynb #b7c63716
 def inference_plan(params_or_model: Params | ModelConfig, gpu: str | Device, precision: str = "bf16",

@@ -29,10 +29,11 @@ from .generate import Sampling, load_generator
 
 # %% auto #0
 __all__ = ['API_KEY_VARIABLE', 'CompletionRequest', 'ChatMessage', 'ChatRequest', 'APIError', 'parse_request', 'Row',
-           'decode_rows', 'score', 'Job', 'Scheduler', 'Served', 'complete', 'completion_rows', 'build_app',
-           'ServeError', 'bind', 'load_served', 'serve', 'ServerProcess']
+           'decode_rows', 'score', 'Job', 'take_batch', 'answer_job', 'Scheduler', 'Served', 'complete',
+           'completion_rows', 'completions_route', 'chat_route', 'build_app', 'ServeError', 'bind', 'load_served',
+           'serve', 'ServerProcess']
 
-# %% ../nbs/13f_serve.ipynb #c77fa207
+# %% ../nbs/13f_serve.ipynb #eb48bb4f
 class _Sampled(BaseModel):
     model_config = ConfigDict(extra="forbid")
     model: str | None = None
@@ -65,6 +66,7 @@ class ChatRequest(_Sampled):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
 
+# %% ../nbs/13f_serve.ipynb #7ffa9a99
 class APIError(Exception):
     "A refusal in the OpenAI error shape: status, message, the offending field."
     def __init__(self, status: int, message: str, param: str | None = None, kind: str = "invalid_request_error"):
@@ -87,7 +89,7 @@ def parse_request(raw: bytes, schema: type[BaseModel]) -> BaseModel:
         hint = "this server does not take it" if first["type"] == "extra_forbidden" else first["msg"]
         raise APIError(400, f"{where}: {hint} ({e.error_count()} problem(s) in the request)", param=where) from None
 
-# %% ../nbs/13f_serve.ipynb #b129f36b
+# %% ../nbs/13f_serve.ipynb #cd62476e
 @dataclass
 class Row:
     prompt_ids: list[int]
@@ -122,7 +124,7 @@ class Row:
             self.on_text(visible[self.sent:])
             self.sent = len(visible)
 
-# %% ../nbs/13f_serve.ipynb #4740f5eb
+# %% ../nbs/13f_serve.ipynb #e88aa80e
 def _watch(rows: list[Row], tokenizer, after_step: Callable[[], None]):
     from transformers import StoppingCriteria
 
@@ -162,17 +164,37 @@ def score(model, sequences: list[list[int]], top: int = 0) -> list[tuple[list[fl
         out.append(([None] + chosen, [{}] + tops))
     return out
 
-# %% ../nbs/13f_serve.ipynb #72928d80
+# %% ../nbs/13f_serve.ipynb #28b7f70a
 @dataclass
 class Job:
     rows: list[Row]
     sampling: Sampling
     seeded: bool
-    done: asyncio.Future
-    loop: asyncio.AbstractEventLoop
+    done: asyncio.Future | None
+    loop: asyncio.AbstractEventLoop | None
 
     def key(self) -> tuple: return (self.sampling.temperature, self.sampling.top_p)
 
+def take_batch(waiting: list[Job], max_batch: int) -> list[Job]:
+    "Take from `waiting` the oldest job and every later one that may share its generate() call."
+    first = waiting.pop(0)
+    jobs, size = [first], len(first.rows)
+    if not first.seeded:
+        for job in list(waiting):
+            if not job.seeded and job.key() == first.key() and size + len(job.rows) <= max_batch:
+                waiting.remove(job)
+                jobs.append(job)
+                size += len(job.rows)
+    return jobs
+
+def answer_job(job: Job, error: Exception | None = None) -> None:
+    "Wake the handler awaiting `job`, from the decode thread."
+    def settle(f: asyncio.Future):
+        if not f.done(): f.set_result(None) if error is None else f.set_exception(error)
+    try: job.loop.call_soon_threadsafe(settle, job.done)
+    except RuntimeError: pass  # its event loop is closed: nobody waits for it any more
+
+# %% ../nbs/13f_serve.ipynb #70dd17a8
 class Scheduler:
     def __init__(self, model, tokenizer, max_batch: int = 16):
         self.model, self.tokenizer, self.max_batch = model, tokenizer, max_batch
@@ -195,29 +217,11 @@ class Scheduler:
             self.wake.notify()
         await job.done
 
-    def _take(self) -> list[Job]:
-        with self.wake:
-            while not self.waiting: self.wake.wait()
-            first = self.waiting.pop(0)
-            jobs, size = [first], len(first.rows)
-            if not first.seeded:
-                for job in list(self.waiting):
-                    if not job.seeded and job.key() == first.key() and size + len(job.rows) <= self.max_batch:
-                        self.waiting.remove(job)
-                        jobs.append(job)
-                        size += len(job.rows)
-            return jobs
-
-    @staticmethod
-    def _answer(job: Job, error: Exception | None = None) -> None:
-        def settle(f: asyncio.Future):
-            if not f.done(): f.set_result(None) if error is None else f.set_exception(error)
-        try: job.loop.call_soon_threadsafe(settle, job.done)
-        except RuntimeError: pass  # its event loop is closed: nobody waits for it any more
-
     def _work(self) -> None:
         while True:
-            jobs = self._take()
+            with self.wake:
+                while not self.waiting: self.wake.wait()
+                jobs = take_batch(self.waiting, self.max_batch)
             for row in (r for job in jobs for r in job.rows if r.max_tokens == 0): row.finish("length")  # scored only
             rows = [r for job in jobs for r in job.rows if r.max_tokens > 0]
             answered: set[int] = set()
@@ -225,17 +229,17 @@ class Scheduler:
                 for k, job in enumerate(jobs):
                     if k not in answered and all(r.finish_reason for r in job.rows):
                         answered.add(k)
-                        self._answer(job)
+                        answer_job(job)
             try:
                 if rows:
                     with self.model_lock: decode_rows(self.model, self.tokenizer, rows, jobs[0].sampling, answer_finished)
                 answer_finished()
             except Exception as e:
                 for k, job in enumerate(jobs):
-                    if k not in answered: self._answer(job, e)
+                    if k not in answered: answer_job(job, e)
             self.batches, self.rows_decoded = self.batches + 1, self.rows_decoded + len(rows)
 
-# %% ../nbs/13f_serve.ipynb #e88aa80e
+# %% ../nbs/13f_serve.ipynb #e2723baf
 @dataclass
 class Served:
     "An export loaded for serving: what the routes need."
@@ -276,7 +280,7 @@ def _usage(rows: list[Row], prompts: list[list[int]]) -> dict:
 def _sse(payload: dict | str) -> str:
     return f"data: {payload if isinstance(payload, str) else json.dumps(payload, ensure_ascii=False)}\n\n"
 
-# %% ../nbs/13f_serve.ipynb #97dac03f
+# %% ../nbs/13f_serve.ipynb #af4ca2de
 def _prompts(served: Served, req: CompletionRequest) -> list[list[int]]:
     p = req.prompt
     if isinstance(p, str): return [served.tokenizer(p).input_ids]
@@ -313,7 +317,7 @@ def completion_rows(served: Served, req: CompletionRequest, prompts: list[list[i
     _check_rows(served, len(prompts) * req.n)
     return [Row(ids, max_tokens, req.stops) for ids in prompts for _ in range(req.n)], max_tokens
 
-# %% ../nbs/13f_serve.ipynb #3713aa91
+# %% ../nbs/13f_serve.ipynb #5aea2b7f
 def _chat_prompt(served: Served, req: ChatRequest) -> list[int]:
     messages = [m.model_dump(exclude_none=True) for m in req.messages]
     text = served.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
@@ -340,10 +344,67 @@ def _stream(served: Served, rows: list[Row], run, chunk: Callable[[int, str | No
             for row in rows: row.finish_reason = row.finish_reason or "cancelled"
     return StreamingResponse(events(), media_type="text/event-stream")
 
-# %% ../nbs/13f_serve.ipynb #28b7f70a
-def build_app(served: Served):
-    "The FastAPI app: /health, /v1/models, /v1/completions and /v1/chat/completions."
+# %% ../nbs/13f_serve.ipynb #6717957e
+def _check_model(served: Served, name: str | None) -> None:
+    if name is not None and name != served.name:
+        raise APIError(404, f"model {name!r} is not served here; this server serves {served.name!r} (GET /v1/models)",
+                       param="model", kind="not_found_error")
 
+async def completions_route(served: Served, raw: bytes) -> dict | StreamingResponse:
+    "POST /v1/completions: an OpenAI completion (streamed or not), or an APIError."
+    req = parse_request(raw, CompletionRequest)
+    _check_model(served, req.model)
+    rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
+
+    def chunk(k: int, text: str | None, finish: str | None) -> dict:
+        return {"id": rid, "object": "text_completion", "created": created, "model": served.name,
+                "choices": [{"index": k, "text": text or "", "logprobs": None, "finish_reason": finish}]}
+
+    if req.stream:
+        if req.echo or req.logprobs is not None: raise APIError(400, "stream: not with echo or logprobs; ask without streaming", param="stream")
+        prompts = _prompts(served, req)
+        rows, max_tokens = completion_rows(served, req, prompts, scoring=False)
+        include = (req.stream_options or {}).get("include_usage")
+        return _stream(served, rows, lambda: served.scheduler.run(rows, *_sampling(req, max_tokens)), chunk,
+                       (lambda: _usage(rows, prompts)) if include else None)
+    rows, prompts, blocks = await complete(served, req)
+    choices = [{"index": k, "text": (served.tokenizer.decode(row.prompt_ids) if req.echo else "") + row.text,
+                "logprobs": blocks[k] if blocks else None, "finish_reason": row.finish_reason}
+               for k, row in enumerate(rows)]
+    return {"id": rid, "object": "text_completion", "created": created, "model": served.name, "choices": choices,
+            "usage": _usage(rows, prompts)}
+
+# %% ../nbs/13f_serve.ipynb #b27e881b
+async def chat_route(served: Served, raw: bytes) -> dict | StreamingResponse:
+    "POST /v1/chat/completions: an OpenAI chat completion (streamed or not), or an APIError."
+    req = parse_request(raw, ChatRequest)
+    _check_model(served, req.model)
+    prompt = _chat_prompt(served, req)
+    asked = req.max_completion_tokens or req.max_tokens
+    max_tokens = asked if asked is not None else max(served.limit - len(prompt), 1)  # default: the rest of the context
+    _check_fits(served, prompt, max_tokens, False, "messages")
+    _check_rows(served, req.n)
+    rows = [Row(prompt, max_tokens, req.stops) for _ in range(req.n)]
+    rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
+
+    def chunk(k: int, text: str | None, finish: str | None) -> dict:
+        delta = {} if text is None else {"content": text}
+        return {"id": rid, "object": "chat.completion.chunk", "created": created, "model": served.name,
+                "choices": [{"index": k, "delta": delta, "finish_reason": finish}]}
+
+    if req.stream:
+        include = (req.stream_options or {}).get("include_usage")
+        return _stream(served, rows, lambda: served.scheduler.run(rows, *_sampling(req, max_tokens)), chunk,
+                       (lambda: _usage(rows, [prompt])) if include else None)
+    await served.scheduler.run(rows, *_sampling(req, max_tokens))
+    return {"id": rid, "object": "chat.completion", "created": created, "model": served.name,
+            "choices": [{"index": k, "message": {"role": "assistant", "content": row.text}, "finish_reason": row.finish_reason}
+                        for k, row in enumerate(rows)],
+            "usage": _usage(rows, [prompt])}
+
+# %% ../nbs/13f_serve.ipynb #9ffe6f82
+def build_app(served: Served) -> FastAPI:
+    "The FastAPI app: /health, /v1/models, /v1/completions and /v1/chat/completions, behind the API key when set."
     app = FastAPI(title="marin-study serve", docs_url=None, redoc_url=None)
 
     @app.middleware("http")
@@ -363,11 +424,6 @@ def build_app(served: Served):
     async def fail(request: Request, e: Exception):
         return JSONResponse(APIError(500, f"generation failed: {type(e).__name__}: {e}", kind="server_error").body(), status_code=500)
 
-    def check_model(name: str | None) -> None:
-        if name is not None and name != served.name:
-            raise APIError(404, f"model {name!r} is not served here; this server serves {served.name!r} (GET /v1/models)",
-                           param="model", kind="not_found_error")
-
     @app.get("/health")
     async def health():
         return {"status": "ok", "model": served.name, "batches": served.scheduler.batches,
@@ -379,63 +435,21 @@ def build_app(served: Served):
                                             "owned_by": "marin-study", "root": str(served.folder), "max_model_len": served.limit}]}
 
     @app.post("/v1/completions")
-    async def completions(request: Request):
-        req = parse_request(await request.body(), CompletionRequest)
-        check_model(req.model)
-        rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
-
-        def chunk(k: int, text: str | None, finish: str | None) -> dict:
-            return {"id": rid, "object": "text_completion", "created": created, "model": served.name,
-                    "choices": [{"index": k, "text": text or "", "logprobs": None, "finish_reason": finish}]}
-
-        if req.stream:
-            if req.echo or req.logprobs is not None: raise APIError(400, "stream: not with echo or logprobs; ask without streaming", param="stream")
-            prompts = _prompts(served, req)
-            rows, max_tokens = completion_rows(served, req, prompts, scoring=False)
-            include = (req.stream_options or {}).get("include_usage")
-            return _stream(served, rows, lambda: served.scheduler.run(rows, *_sampling(req, max_tokens)), chunk,
-                           (lambda: _usage(rows, prompts)) if include else None)
-        rows, prompts, blocks = await complete(served, req)
-        choices = []
-        for k, row in enumerate(rows):
-            prefix = served.tokenizer.decode(row.prompt_ids) if req.echo else ""
-            choices.append({"index": k, "text": prefix + row.text, "logprobs": blocks[k] if blocks else None,
-                            "finish_reason": row.finish_reason if row.max_tokens else "length"})
-        return {"id": rid, "object": "text_completion", "created": created, "model": served.name, "choices": choices,
-                "usage": _usage(rows, prompts)}
+    async def completions(request: Request): return await completions_route(served, await request.body())
 
     @app.post("/v1/chat/completions")
-    async def chat(request: Request):
-        req = parse_request(await request.body(), ChatRequest)
-        check_model(req.model)
-        prompt = _chat_prompt(served, req)
-        asked = req.max_completion_tokens or req.max_tokens
-        max_tokens = asked if asked is not None else max(served.limit - len(prompt), 1)  # default: the rest of the context
-        _check_fits(served, prompt, max_tokens, False, "messages")
-        _check_rows(served, req.n)
-        rows = [Row(prompt, max_tokens, req.stops) for _ in range(req.n)]
-        rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
-
-        def chunk(k: int, text: str | None, finish: str | None) -> dict:
-            delta = {} if text is None else {"content": text}
-            return {"id": rid, "object": "chat.completion.chunk", "created": created, "model": served.name,
-                    "choices": [{"index": k, "delta": delta, "finish_reason": finish}]}
-
-        if req.stream:
-            include = (req.stream_options or {}).get("include_usage")
-            return _stream(served, rows, lambda: served.scheduler.run(rows, *_sampling(req, max_tokens)), chunk,
-                           (lambda: _usage(rows, [prompt])) if include else None)
-        await served.scheduler.run(rows, *_sampling(req, max_tokens))
-        return {"id": rid, "object": "chat.completion", "created": created, "model": served.name,
-                "choices": [{"index": k, "message": {"role": "assistant", "content": row.text}, "finish_reason": row.finish_reason}
-                            for k, row in enumerate(rows)],
-                "usage": _usage(rows, [prompt])}
+    async def chat(request: Request): return await chat_route(served, await request.body())
     return app
 
-# %% ../nbs/13f_serve.ipynb #70dd17a8
+# %% ../nbs/13f_serve.ipynb #abec7561
 API_KEY_VARIABLE = "MARIN_STUDY_API_KEY"
 
 class ServeError(ValueError): pass
+
+def _die_with_parent() -> None:
+    import ctypes
+    try: ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # 1 = PR_SET_PDEATHSIG
+    except OSError: pass  # not Linux: stop() and the with block still stop it
 
 def bind(host: str, port: int) -> socket.socket:
     "A listening socket on host:port, or a ServeError that says the port is taken."
@@ -450,6 +464,7 @@ def bind(host: str, port: int) -> socket.socket:
     sock.listen(128)
     return sock
 
+# %% ../nbs/13f_serve.ipynb #73b23a58
 def load_served(folder: str | os.PathLike, name: str | None = None, api_key: str | None = None, device: str | None = None,
                 max_batch: int = 16) -> Served:
     "An export folder loaded for serving; `name` defaults to the folder as given, as vLLM names its models."
@@ -482,12 +497,7 @@ def serve(folder: str | os.PathLike, host: str = "127.0.0.1", port: int = 8000, 
     finally: sock.close()
     print("server stopped", file=sys.stderr, flush=True)
 
-# %% ../nbs/13f_serve.ipynb #f07b2485
-def _die_with_parent() -> None:
-    import ctypes
-    try: ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # 1 = PR_SET_PDEATHSIG
-    except OSError: pass  # not Linux: stop() and the with block still stop it
-
+# %% ../nbs/13f_serve.ipynb #514fa396
 class ServerProcess:
     "`marin-study serve EXPORT` as a child process on a free port: `url`, `key`, `log`; `stop()` sends SIGTERM."
     def __init__(self, export_dir: str | os.PathLike, log: str | os.PathLike, *args: str, key: str | None = None,

@@ -50,6 +50,7 @@ LONG_DEFINITIONS = {
     ("07h_checkpointer.ipynb", "Checkpointer"): "one class: save, find and restore share the staging and rank protocol",
     ("07j_train.ipynb", "Trainer"): "one class: the components it wires, the step and the loop that reads as a screen",
     ("09_parallelism.ipynb", "Plan"): "one dataclass: days, table, explanation and JSON of the same candidates",
+    ("09_parallelism.ipynb", "InferencePlan"): "one dataclass: the explanation, JSON and launch commands of its fields",
     ("12_widgets.ipynb", "PlannerWidget"): "one class: its controls, their callbacks and the redraw",
     ("13d_evaluate.ipynb", "_lm_class"): "one class, lm-eval's model interface, inside a function: lm_eval loads on use",
     ("90_cli.ipynb", "parser"): "one function: the argparse tree of every subcommand",

@@ -136,9 +136,9 @@ def test_served_metrics_equal_the_export_offline(server, tiny_export, suite, tmp
     from marin_study.evaluate import evaluate
     data_dir, _ = suite
     tasks = ["ppl_web", "cloze_books", "choice_heldout", "complete_code"]
-    served = evaluate(tiny_export, tasks, limit=8, out=tmp_path / "served.json", endpoint=server.url, api_key=server.key,
+    served = evaluate(tiny_export, tasks, limit=4, out=tmp_path / "served.json", endpoint=server.url, api_key=server.key,
                       data_dir=data_dir)
-    offline = evaluate(tiny_export, tasks, limit=8, out=tmp_path / "offline.json", data_dir=data_dir)
+    offline = evaluate(tiny_export, tasks, limit=4, out=tmp_path / "offline.json", data_dir=data_dir)
     assert {r["backend"] for r in served} == {"served"}
     pairs = {(r["task"], r["metric"]): r["value"] for r in offline}
     assert len(pairs) == len(served) >= 7
