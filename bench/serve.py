@@ -8,6 +8,7 @@ one before. The same batch job (`run_batch`: held-out openings, greedy, `--max-t
 (greedy, so all should, up to rounding in a padded batch).
 """
 import argparse
+import itertools
 import json
 import tempfile
 from pathlib import Path
@@ -21,9 +22,10 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def prompts_file(clean: Path, count: int, folder: Path) -> Path:
-    "Openings of held-out documents, every domain in turn."
-    docs = [list(read_jsonl(path)) for path in sorted((clean / "heldout").glob("*.jsonl"))]
-    lines = [{"id": f"p{i}", "prompt": " ".join(docs[i % len(docs)][i // len(docs)]["text"].split(" ")[:12])} for i in range(count)]
+    "Openings of held-out documents, every domain in turn (a domain with fewer documents drops out)."
+    domains = [list(read_jsonl(path)) for path in sorted((clean / "heldout").glob("*.jsonl"))]
+    docs = [doc for turn in itertools.zip_longest(*domains) for doc in turn if doc is not None]
+    lines = [{"id": f"p{i}", "prompt": " ".join(docs[i % len(docs)]["text"].split(" ")[:12])} for i in range(count)]
     return write_jsonl(folder / "prompts.jsonl", lines)
 
 
