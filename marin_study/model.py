@@ -4,19 +4,23 @@
 from __future__ import annotations
 
 import math
+from contextlib import contextmanager, nullcontext
 from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.distributed._functional_collectives import all_to_all_single_autograd
+from torch.utils.checkpoint import checkpoint
 
 from .config import ModelConfig
 
 # %% auto #0
-__all__ = ['HAS_GROUPED_MM', 'RESIDUAL_OUTPUTS', 'RMSNorm', 'rope_tables', 'apply_rope', 'sliding_window_mask', 'Attention',
-           'SwiGLU', 'grouped_mm_supported', 'looped_mm', 'Experts', 'PermuteRows', 'RouterStats', 'MoE',
-           'CrossEntropyZLoss', 'ModelOutput', 'Block', 'Transformer', 'use_grouped_mm']
+__all__ = ['HAS_GROUPED_MM', 'RESIDUAL_OUTPUTS', 'RECOMPUTE_MODES', 'RMSNorm', 'rope_tables', 'apply_rope', 'sliding_window_mask',
+           'Attention', 'SwiGLU', 'grouped_mm_supported', 'looped_mm', 'Experts', 'PermuteRows', 'inverse_permutation',
+           'RouterStats', 'expert_parallel', 'MoE', 'CrossEntropyZLoss', 'ModelOutput', 'Block', 'not_counting',
+           'Transformer', 'use_grouped_mm', 'use_recompute']
 
 # %% ../nbs/05_model.ipynb #13a2d3a3
 class RMSNorm(nn.Module):
@@ -53,6 +57,15 @@ class Attention(nn.Module):
         self.out = nn.Linear(self.H * self.d, cfg.hidden_size, bias=False)
         self.q_norm = RMSNorm(self.d, cfg.norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(self.d, cfg.norm_eps) if cfg.qk_norm else None
+        self.recompute = False  # selective recompute: keep q, k, v and recompute the attention core in backward
+
+    def core(self, q_BHTd, k_BKTd, v_BKTd):
+        "Causal scaled dot-product attention, within the window on local layers."
+        T = q_BHTd.shape[2]
+        if self.window and self.window < T:
+            mask_TT = sliding_window_mask(T, self.window, q_BHTd.device)
+            return F.scaled_dot_product_attention(q_BHTd, k_BKTd, v_BKTd, attn_mask=mask_TT, enable_gqa=True)
+        return F.scaled_dot_product_attention(q_BHTd, k_BKTd, v_BKTd, is_causal=True, enable_gqa=True)
 
     def forward(self, x_BTD, cos_Td, sin_Td):
         B, T, _ = x_BTD.shape
@@ -63,11 +76,8 @@ class Attention(nn.Module):
         if self.q_norm is not None:
             q_BHTd, k_BKTd = self.q_norm(q_BHTd), self.k_norm(k_BKTd)
         q_BHTd, k_BKTd = apply_rope(q_BHTd, cos_Td[:T], sin_Td[:T]), apply_rope(k_BKTd, cos_Td[:T], sin_Td[:T])
-        if self.window and self.window < T:
-            mask_TT = sliding_window_mask(T, self.window, x_BTD.device)
-            y_BHTd = F.scaled_dot_product_attention(q_BHTd, k_BKTd, v_BKTd, attn_mask=mask_TT, enable_gqa=True)
-        else:
-            y_BHTd = F.scaled_dot_product_attention(q_BHTd, k_BKTd, v_BKTd, is_causal=True, enable_gqa=True)
+        if self.recompute: y_BHTd = checkpoint(self.core, q_BHTd, k_BKTd, v_BKTd, use_reentrant=False)
+        else: y_BHTd = self.core(q_BHTd, k_BKTd, v_BKTd)
         return self.out(y_BHTd.transpose(1, 2).reshape(B, T, self.H * self.d))
 
 # %% ../nbs/05_model.ipynb #80c232b6
@@ -102,6 +112,12 @@ class Experts(nn.Module):
         self.down_EFD = nn.Parameter(torch.empty(n_experts, ffn, dim))
         self.grouped = HAS_GROUPED_MM
 
+    @torch.no_grad()
+    def keep(self, start: int, end: int) -> None:
+        "Keep only experts `start` to `end - 1` (this rank's share under expert parallelism)."
+        self.gate_up_EDF = nn.Parameter(self.gate_up_EDF[start:end].clone())
+        self.down_EFD = nn.Parameter(self.down_EFD[start:end].clone())
+
     def forward(self, x_MD, offsets_E):
         def mm(x, w):
             if self.grouped and grouped_mm_supported(x, w): return torch._grouped_mm(x, w, offs=offsets_E)
@@ -124,10 +140,31 @@ class PermuteRows(torch.autograd.Function):
         (inverse,) = ctx.saved_tensors
         return grad.index_select(0, inverse), None, None
 
+def inverse_permutation(order_M: torch.Tensor) -> torch.Tensor:
+    "The permutation that undoes `order_M`, by a scatter (no second sort)."
+    return torch.empty_like(order_M).scatter_(0, order_M, torch.arange(order_M.numel(), device=order_M.device))
+
 class RouterStats(NamedTuple):  # a NamedTuple: ZeRO-3 finds the tensors inside a module's output
     load_E: torch.Tensor          # tokens routed to each expert in this forward
     aux_loss: torch.Tensor | None
     z_loss: torch.Tensor | None
+
+# %% ../nbs/05_model.ipynb #5e1c9b22
+def expert_parallel(run_experts, x_MD, load_E, group) -> torch.Tensor:
+    """Rows `x_MD` sorted by expert (`load_E` each, E experts) through experts split over `group`'s P ranks, rank r
+    holding experts `r E/P` to `(r+1) E/P - 1`; `run_experts(x, offsets)` runs this rank's. Same shape and order out."""
+    P = dist.get_world_size(group)
+    sent_PL = load_E.view(P, -1).contiguous()  # rows this rank sends to each rank's local experts
+    got_PL = torch.empty_like(sent_PL)          # rows each rank sends to this rank's local experts
+    dist.all_to_all_single(got_PL, sent_PL, group=group)
+    send, receive = sent_PL.sum(1).tolist(), got_PL.sum(1).tolist()
+    x_RD = all_to_all_single_autograd(x_MD.contiguous(), receive, send, group)
+    local_R = torch.repeat_interleave(torch.arange(got_PL.shape[1], device=x_MD.device).repeat(P), got_PL.flatten())
+    order_R = torch.argsort(local_R, stable=True)
+    unsort_R = inverse_permutation(order_R)
+    y_RD = run_experts(PermuteRows.apply(x_RD, order_R, unsort_R), got_PL.sum(0).cumsum(0).to(torch.int32))
+    y_RD = PermuteRows.apply(y_RD, unsort_R, order_R)
+    return all_to_all_single_autograd(y_RD, send, receive, group)
 
 # %% ../nbs/05_model.ipynb #3f4bc6b1
 class MoE(nn.Module):
@@ -142,6 +179,19 @@ class MoE(nn.Module):
         self.latent_up = nn.Linear(cfg.latent_dim, cfg.hidden_size, bias=False) if cfg.latent_dim else None
         self.experts = Experts(cfg.n_experts, cfg.latent_dim or cfg.hidden_size, cfg.expert_ffn)
         self.shared = SwiGLU(cfg.hidden_size, cfg.n_shared_experts * cfg.shared_ffn) if cfg.n_shared_experts else None
+        self.ep_group = None    # expert parallelism: the routed experts are split over this group's ranks
+        self.recompute = False  # selective recompute: the experts' intermediate (gate, up, SiLU) is recomputed in backward
+        self.counting = True    # off while a checkpointed block re-runs its forward in backward: tokens count once
+
+    def shard_experts(self, group) -> None:
+        "Keep this rank's share of the routed experts; rows for the others travel to their ranks (`expert_parallel`)."
+        P, r = dist.get_world_size(group), dist.get_rank(group)
+        self.experts.keep(r * self.E // P, (r + 1) * self.E // P)
+        self.ep_group = group
+
+    def run_experts(self, x_MD, offsets_E):
+        if self.recompute: return checkpoint(self.experts, x_MD, offsets_E, use_reentrant=False)
+        return self.experts(x_MD, offsets_E)
 
     def route(self, x_ND):
         "Top-k expert ids (N, k), their combine weights (N, k), the fp32 logits and scores."
@@ -159,18 +209,19 @@ class MoE(nn.Module):
 
         expert_M = experts_Nk.flatten()
         order_M = torch.argsort(expert_M, stable=True)
-        unsort_M = torch.empty_like(order_M).scatter_(0, order_M, torch.arange(order_M.numel(), device=order_M.device))
+        unsort_M = inverse_permutation(order_M)
         load_E = torch.bincount(expert_M, minlength=self.E)
         x_in = self.latent_down(x_ND) if self.latent_down is not None else x_ND
         x_MD = PermuteRows.apply(x_in.unsqueeze(1).expand(-1, self.k, -1).reshape(-1, x_in.shape[-1]), order_M, unsort_M)
-        y_MD = self.experts(x_MD, load_E.cumsum(0).to(torch.int32))
+        if self.ep_group is None: y_MD = self.run_experts(x_MD, load_E.cumsum(0).to(torch.int32))
+        else: y_MD = expert_parallel(self.run_experts, x_MD, load_E, self.ep_group)
 
         y_NkD = PermuteRows.apply(y_MD, unsort_M, order_M).view(B * T, self.k, -1)
         y_ND = (y_NkD * weights_Nk.unsqueeze(-1).to(y_NkD.dtype)).sum(dim=1)
         if self.latent_up is not None: y_ND = self.latent_up(y_ND)
         if self.shared is not None: y_ND = y_ND + self.shared(x_ND)
 
-        if self.training:
+        if self.training and self.counting:
             with torch.no_grad(): self.routed_since_update += load_E
         aux = z = None
         if self.aux_weight:
@@ -246,6 +297,15 @@ class Block(nn.Module):
             return x_BTD + y_BTD, stats
         return x_BTD + self.mlp(self.mlp_norm(x_BTD)), None
 
+@contextmanager
+def not_counting(block: Block):
+    "While a checkpointed block re-runs its forward in backward: its routed tokens were counted the first time."
+    moes = [m for m in block.modules() if isinstance(m, MoE)]
+    for moe in moes: moe.counting = False
+    try: yield
+    finally:
+        for moe in moes: moe.counting = True
+
 RESIDUAL_OUTPUTS = ("attn.out.weight", "down.weight", "experts.down_EFD", "latent_up.weight")
 
 # %% ../nbs/05_model.ipynb #00e66729
@@ -260,6 +320,7 @@ class Transformer(nn.Module):
         cos_Td, sin_Td = rope_tables(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta, device=self.embed.weight.device)
         self.register_buffer("rope_cos", cos_Td, persistent=False)
         self.register_buffer("rope_sin", sin_Td, persistent=False)
+        self.recompute_blocks = False  # full recompute: keep each block's input only and re-run the block in backward
         self.reset_parameters()
 
     @torch.no_grad()
@@ -278,6 +339,15 @@ class Transformer(nn.Module):
         head = self.embed.weight if self.head is None else self.head.weight
         return [(moe, moe.router.weight) for moe in self.moe_layers()] + [(self, head)]
 
+    def shard_experts(self, group) -> None:
+        "Expert parallelism over `group`: every MoE layer keeps this rank's share of its routed experts."
+        for moe in self.moe_layers(): moe.shard_experts(group)
+
+    def run_block(self, block, x_BTD):
+        if not self.recompute_blocks: return block(x_BTD, self.rope_cos, self.rope_sin)
+        return checkpoint(block, x_BTD, self.rope_cos, self.rope_sin, use_reentrant=False,
+                          context_fn=lambda: (nullcontext(), not_counting(block)))
+
     def update_balance_bias(self) -> torch.Tensor | None:
         "After each optimizer step: move every MoE layer's balancing bias; return the (layers, E) load it saw."
         loads = [moe.update_balance_bias() for moe in self.moe_layers()]
@@ -290,7 +360,7 @@ class Transformer(nn.Module):
         x_BTD = self.embed(tokens_BT)
         stats = []
         for block in self.blocks:
-            x_BTD, layer_stats = block(x_BTD, self.rope_cos, self.rope_sin)
+            x_BTD, layer_stats = self.run_block(block, x_BTD)
             if layer_stats is not None: stats.append(layer_stats)
         x_BTD = self.norm(x_BTD)
         logits_BTV = F.linear(x_BTD, self.embed.weight if self.head is None else self.head.weight)
@@ -311,4 +381,15 @@ def use_grouped_mm(model: nn.Module, enabled: bool = True) -> nn.Module:
     if enabled and not HAS_GROUPED_MM: raise RuntimeError(f"torch {torch.__version__} has no torch._grouped_mm")
     for m in model.modules():
         if isinstance(m, Experts): m.grouped = enabled
+    return model
+
+# %% ../nbs/05_model.ipynb #a61c0d55
+RECOMPUTE_MODES = ("none", "selective", "full")
+
+def use_recompute(model: Transformer, mode: str) -> Transformer:
+    "Set activation recompute: 'none', 'selective' (attention core, experts' intermediate) or 'full' (every block)."
+    if mode not in RECOMPUTE_MODES: raise ValueError(f"activation recompute {mode!r} is not one of {RECOMPUTE_MODES}")
+    model.recompute_blocks = mode == "full"
+    for m in model.modules():
+        if isinstance(m, (Attention, MoE)): m.recompute = mode == "selective"
     return model
