@@ -11,7 +11,7 @@ from pathlib import Path
 
 import yaml
 
-from .accounting import flops_per_token, param_breakdown, param_counts
+from .accounting import flops_per_token, mean_keys_per_query, param_breakdown, param_counts
 from .config import ModelConfig, Params, save_params
 from .hardware import GB, HARDWARE, Device, device
 from .layout import Layout
@@ -20,10 +20,11 @@ from .trainer.deepspeed import (Accounting, Precision, accelerate_config, bucket
 from .utils import atomic_write
 
 # %% auto #0
-__all__ = ['LATENCY', 'PRECISION_BYTES', 'SERVE_FLAGS', 'PlanError', 'layer_activation_terms', 'activation_bytes', 'Memory',
-           'memory', 'StepTime', 'step_time', 'Candidate', 'Plan', 'evaluate', 'plan', 'with_layout',
-           'write_launch_configs', 'kv_bytes_per_layer', 'layer_params', 'tensor_parallel_degrees', 'fullest_gpu_bytes',
-           'InferencePlan', 'inference_plan']
+__all__ = ['LATENCY', 'PRECISION_BYTES', 'SERVE_FLAGS', 'PlanError', 'layer_activation_terms', 'activation_bytes',
+           'ActivationMeasure', 'measure_activations', 'Memory', 'memory', 'recompute_flops_per_token', 'StepTime',
+           'step_time', 'Candidate', 'Plan', 'evaluate', 'plan', 'with_layout', 'write_launch_configs',
+           'kv_bytes_per_layer', 'layer_params', 'tensor_parallel_degrees', 'fullest_gpu_bytes', 'InferencePlan',
+           'inference_plan']
 
 # %% ../nbs/09_parallelism.ipynb #f10674c3
 class PlanError(ValueError):
@@ -31,47 +32,120 @@ class PlanError(ValueError):
 
 # %% ../nbs/09_parallelism.ipynb #e4587ebe
 def layer_activation_terms(model: ModelConfig, layer: int, seq: int, batch: int, tp: int = 1, sp: bool = False,
-                           flash: bool = True, dropout: bool = False, act_bytes: int = 2) -> dict[str, float]:
+                           flash: bool = True, dropout: bool = False, act_bytes: int = 2, recompute: str = "none",
+                           on_gpu: bool = True) -> dict[str, float]:
     "Bytes layer `layer` stores for backward, by tensor, for `batch` sequences of `seq` tokens."
     m, a, tokens = model, act_bytes, seq * batch
     h, d, H, K = m.hidden_size, m.head_dim, m.n_heads, m.n_kv_heads
-    rep = tp if sp else 1  # tensors before a tensor-parallel split
-    terms = {"norm_inputs": 2 * a * tokens * h / rep,
+    rep = tp if sp else 1                  # tensors before a tensor-parallel split
+    core = recompute != "selective"        # selective recompute re-runs the attention core and the routed experts
+    window = not m.is_global(layer) and m.sliding_window < seq
+    norm = tokens * (4 * h * (1 if on_gpu else 2) + 4) / rep   # fp32 input and 1/rms; on CPU also x/rms
+    terms = {"norm_inputs": 2 * norm,
              "qkv_input": a * tokens * h / rep,
              "q_k_v": a * tokens * (H + 2 * K) * d / tp,
-             "attention_scores": 0.0 if flash else (a + (3 if dropout else 0)) * H * seq * seq * batch / tp,
-             "softmax_stats": 4 * tokens * H / tp if flash else 0.0,
+             "rotated_q_k": a * tokens * (H + K) * d / tp,
+             "attention_scores": (a + (3 if dropout else 0)) * H * seq * seq * batch / tp if core and not flash else 0.0,
+             "softmax_stats": 4 * tokens * H / tp if core and flash else 0.0,
+             "attention_mask": a * seq * seq if core and flash and window else 0.0,
              "attention_output": a * tokens * H * d / tp,
-             "dropout_masks": 2 * tokens * h / rep if dropout else 0.0,
-             "mlp_input": a * tokens * h / rep}
+             "dropout_masks": 2 * tokens * h / rep if dropout else 0.0}
     if m.is_moe_layer(layer):
-        L = m.latent_dim or h
-        terms.update({"router_scores": 4 * tokens * m.n_experts,
-                      "latent": 2 * a * tokens * m.latent_dim,
-                      "routed_experts": a * tokens * m.top_k * (2 * L + 4 * m.expert_ffn / tp),
+        L, copies = m.latent_dim or h, (bool(m.latent_dim) + bool(m.n_shared_experts)) * (a < 4)
+        terms.update({"mlp_input": (4 + copies * a) * tokens * h / rep,   # the router's fp32 input, autocast's copies
+                      # fp32 scores; per routed row an int64 id, fp32 and compute-type weights, two int64 sort orders
+                      "router": tokens * (4 * m.n_experts + (28 + a) * m.top_k + (8 if m.aux_loss_weight else 4)),
+                      "latent": a * tokens * m.latent_dim,
+                      "routed_rows": 2 * a * tokens * m.top_k * L,
+                      "routed_ffn": 4 * a * tokens * m.top_k * m.expert_ffn / tp if core else 0.0,
                       "shared_experts": 4 * a * tokens * m.n_shared_experts * m.shared_ffn / tp})
     else:
-        terms["mlp"] = 4 * a * tokens * (m.dense_ffn or m.expert_ffn) / tp
+        terms.update({"mlp_input": a * tokens * h / rep, "mlp": 4 * a * tokens * (m.dense_ffn or m.expert_ffn) / tp})
     return terms
 
+# %% ../nbs/09_parallelism.ipynb #7b3e9f12
 def activation_bytes(model: ModelConfig, layout: Layout, seq: int, micro_batches: int, flash: bool = True,
-                     act_bytes: int = 2) -> float:
-    "Activation bytes on the most loaded GPU: the first pipeline stage's in-flight micro-batches or the last's logits."
-    L, b = layout, layout.micro_batch
-    def layer(i):
-        terms = layer_activation_terms(model, i, seq, b, L.tp, L.sp, flash, act_bytes=act_bytes)
-        if L.recompute == "selective": terms["attention_scores"] = 0.0
-        return sum(terms.values())
-    per_stage = model.n_layers // L.pp
-    full = [layer(i) for i in range(model.n_layers)]
-    if L.recompute == "full":
-        kept = act_bytes * seq * b * model.hidden_size / (L.tp if L.sp else 1)
-        stage = per_stage * kept + max(full)      # checkpoints, plus one layer re-run during its backward
-    else:
-        stage = max(sum(full[s * per_stage:(s + 1) * per_stage]) for s in range(L.pp))
-    logits = seq * b * model.vocab_size * (act_bytes + 4) / L.tp
-    in_flight = min(L.pp, micro_batches)
-    return max(stage * in_flight, stage + logits) if L.pp > 1 else stage + logits
+                     act_bytes: int = 2, on_gpu: bool = True) -> float:
+    "Activation bytes on the most loaded GPU at its peak: the first stage's micro-batches in flight, or the last's logits."
+    L, a, tokens, h = layout, act_bytes, seq * layout.micro_batch, model.hidden_size
+    rep = L.tp if L.sp else 1
+    terms = lambda i, r: layer_activation_terms(model, i, seq, L.micro_batch, L.tp, L.sp, flash, act_bytes=a,
+                                                recompute=r, on_gpu=on_gpu)
+    every = [sum(terms(i, "none").values()) for i in range(model.n_layers)]
+    if L.recompute == "full": kept = [4 * tokens * h / rep] * model.n_layers   # each block's fp32 input
+    else: kept = [sum(terms(i, L.recompute).values()) for i in range(model.n_layers)]
+    rerun = max(e - k for e, k in zip(every, kept))   # what one layer's backward makes again
+    span = model.n_layers // L.pp
+    stage = max(sum(kept[s * span:(s + 1) * span]) for s in range(L.pp))
+    head = terms(0, "none")["norm_inputs"] / 2 + a * tokens * h / rep   # the final norm's keep, the head's input
+    logits = tokens * model.vocab_size / L.tp                            # held in the compute type, probs in fp32
+    first = stage * min(L.pp, micro_batches) + rerun
+    last = stage + head + a * logits + max(4 * logits, rerun)
+    return max(first, last)
+
+# %% ../nbs/09_parallelism.ipynb #2f8d7c65
+@dataclass(frozen=True)
+class ActivationMeasure:
+    "One forward and backward of the model on CPU: what it kept, its peak, its loss and gradients."
+    saved: int       # bytes of the storages autograd saved in forward, each once, plus the logits the output holds
+    peak: int        # the most bytes that tensors made in forward and backward held at once
+    loss: float
+    grads: tuple     # of every parameter, in `parameters()` order
+
+def _live_bytes_mode(existing: set):
+    "A dispatch mode that follows the storages ops make (not those in `existing`) and keeps their peak bytes."
+    import weakref
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._pytree import tree_leaves
+
+    class LiveBytes(TorchDispatchMode):
+        live = peak = 0
+        def free(self, key, n): self.live -= n; refs.pop(key, None)
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            for t in tree_leaves(out):
+                if not hasattr(t, "untyped_storage"): continue
+                storage = t.untyped_storage()
+                key = storage.data_ptr()
+                if key and key not in refs and key not in existing:
+                    self.live += storage.nbytes()   # freed when the storage is: its weak reference's callback
+                    refs[key] = weakref.ref(storage, lambda _, key=key, n=storage.nbytes(): self.free(key, n))
+            self.peak = max(self.peak, self.live)
+            return out
+    refs = {}
+    return LiveBytes()
+
+# %% ../nbs/09_parallelism.ipynb #64b9d087
+def measure_activations(model_cfg: ModelConfig, modes=("none", "selective", "full"), batch: int = 8, seq: int = 256,
+                        seed: int = 0) -> dict[str, ActivationMeasure]:
+    "The model (fp32, on CPU) under each recompute mode, on one random batch: same weights and tokens for every mode."
+    import torch
+    from marin_study.model import Transformer, use_recompute  # here: the model brings torch, the planner needs not
+    torch.manual_seed(seed)
+    model = Transformer(model_cfg)
+    tokens_BT = torch.randint(0, model_cfg.vocab_size, (batch, seq + 1))
+    for p in model.parameters(): p.grad = torch.zeros_like(p)   # made up front: gradients are model states
+    existing = {t.untyped_storage().data_ptr() for t in [*model.parameters(), *model.buffers(), tokens_BT,
+                                                         *(p.grad for p in model.parameters())]}
+    out = {}
+    for mode in modes:
+        use_recompute(model, mode)
+        saved = {}
+        def keep(t):
+            key = t.untyped_storage().data_ptr()
+            if key not in existing: saved[key] = t.untyped_storage().nbytes()
+            return t
+        with _live_bytes_mode(existing) as live:
+            with torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t):
+                result = model(tokens_BT[:, :-1], tokens_BT[:, 1:])
+            saved[result.logits.untyped_storage().data_ptr()] = result.logits.untyped_storage().nbytes()
+            result.loss.backward()
+        out[mode] = ActivationMeasure(sum(saved.values()), live.peak, result.loss.item(),
+                                      tuple(p.grad.clone() for p in model.parameters()))
+        del result
+        for p in model.parameters(): p.grad.zero_()
+    use_recompute(model, "none")
+    return out
 
 # %% ../nbs/09_parallelism.ipynb #b4d1fae7
 @dataclass(frozen=True)
@@ -101,10 +175,20 @@ def memory(model: ModelConfig, layout: Layout, seq: int, micro_batches: int, pre
            accounting: Accounting = "runtime", flash: bool = True, on_gpu: bool = True, margin: float = 0.10) -> Memory:
     "The memory breakdown of one GPU (the most loaded pipeline stage)."
     params, grads, optimizer = model_state_memory(model, layout, precision, accounting)
-    act = activation_bytes(model, layout, seq, micro_batches, flash, act_bytes=2 if precision == "bf16" or on_gpu else 4)
+    act = activation_bytes(model, layout, seq, micro_batches, flash, 2 if precision == "bf16" or on_gpu else 4, on_gpu)
     buffers = (1.5 * GB if on_gpu else 0.0) + (bucket_elements(model) * (2 if precision == "bf16" else 4)
                                                 if layout.zero_stage == 3 else 0.0)
     return Memory(params, grads, optimizer, act, buffers, margin * (params + grads + optimizer + act + buffers))
+
+# %% ../nbs/09_parallelism.ipynb #0c7d2eb9
+def recompute_flops_per_token(model: ModelConfig, seq: int, recompute: str) -> float:
+    "Hardware FLOPs per token that recomputation adds to the model FLOPs: a forward of what it re-runs."
+    if recompute == "full": return flops_per_token(model, seq) / 3
+    if recompute != "selective": return 0.0
+    keys = sum(mean_keys_per_query(seq, 0 if model.is_global(i) else model.sliding_window) for i in range(model.n_layers))
+    n_moe = sum(model.is_moe_layer(i) for i in range(model.n_layers))
+    experts = 2 * model.top_k * 3 * (model.latent_dim or model.hidden_size) * model.expert_ffn
+    return 4 * model.n_heads * model.head_dim * keys + n_moe * experts
 
 # %% ../nbs/09_parallelism.ipynb #ab2e77ad
 LATENCY = 5e-6  # seconds per ring step or message inside an NVLink domain
@@ -126,8 +210,8 @@ def step_time(params: Params, layout: Layout, dev: Device, efficiency: float = 0
     "Modeled seconds per step for a layout on a device (see the formula above)."
     m, t, L = params.model, params.train, layout
     model_flops = flops_per_token(m, t.seq_len) * t.global_batch * t.seq_len
-    recompute = 4 / 3 if L.recompute == "full" else 1.0
-    compute = model_flops * recompute / (L.world * dev.peak_flops * efficiency)
+    rerun = recompute_flops_per_token(m, t.seq_len, L.recompute) * t.global_batch * t.seq_len
+    compute = (model_flops + rerun) / (L.world * dev.peak_flops * efficiency)
     micro = t.global_batch // (L.micro_batch * L.dp)
     bw = lambda group: dev.intra_bw if group <= dev.nvlink_domain else dev.inter_bw
     a, g = 2, 2 if precision == "bf16" else 4   # bytes per activation and per gradient on the wire
@@ -273,7 +357,7 @@ def plan(params: Params, gpu: str | Device, gpus: int, mfu: float | None = None,
             for ep in (_divisors(math.gcd(m.n_experts, dp)) if m.is_moe else [1]):
                 for mb in [b for b in (1, 2, 4, 8, 16) if (t.global_batch // dp) % b == 0]:
                     for zero in range(4):
-                        for recompute in ("none", "full") if flash else ("none", "selective", "full"):
+                        for recompute in ("none", "selective", "full"):
                             layout = Layout(tp, pp, ep, dp, zero, mb, recompute)
                             out.append(evaluate(params, layout, dev, precision, accounting, flash, **time_kw))
     if not out:
