@@ -12,12 +12,12 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from .trainer.metrics import EVAL_BPB, EVAL_LOSS, MOE_MAX_LOAD, MOE_MIN_LOAD
+from .trainer.metrics import EVAL_BPB, EVAL_LOSS, MOE_MAX_LOAD, MOE_MIN_LOAD, moe_layer_key, parse_moe_layer_key
 from .utils import JsonLinesError, json_lines
 
 # %% auto #0
 __all__ = ['KIT_NAMES', 'WANDB_NAMES', 'KINDS', 'AnalysisError', 'Finding', 'load_curves', 'Thresholds', 'diagnose',
-           'findings_table', 'compare', 'ScalingFit', 'fit_scaling_law']
+           'findings_table', 'router_health_frame', 'plot_router_load', 'compare', 'ScalingFit', 'fit_scaling_law']
 
 # %% ../nbs/08_analysis.ipynb #14cc0385
 class AnalysisError(ValueError):
@@ -42,6 +42,7 @@ class Finding:
         return f"[{self.severity}] {self.kind} at steps {self.start_step}-{self.end_step}: {numbers}. {self.action}"
 
 KINDS = {"leak": "initial loss far below ln(vocab): the model already knows the data",
+         "no_progress": "a loss that does not fall: flat from the start, or barely falling over the first steps",
          "plateau": "a fast drop, then no significant progress",
          "spike": "a sudden jump above the rolling median",
          "divergence": "non-finite loss, or a loss that climbs and stays up",
@@ -120,9 +121,12 @@ class Thresholds:
     plateau_segment: float = 0.3  # the final share of the run tested for progress
     plateau_t: float = 3.0        # a slope this many standard errors below zero is progress
     min_drop: float = 0.5         # nats the loss must have fallen before a plateau means anything
+    early_segment: float = 0.2    # the first share of the run (at least twice the warmup) in which the loss ...
+    min_early_drop: float = 0.5   # ... must fall this many nats, or the run makes no progress
     overfit_rise: float = 0.02    # nats held-out loss must rise above its best
     noisy_ratio: float = 3.0
     collapse_load: float = 4.0    # busiest expert above this multiple of the mean load, over the second half of the run
+    collapse_idle: float = 0.25   # share of a layer's experts with no token, over the second half (per-layer keys)
 
 def _robust_std(x) -> float:
     x = np.asarray(x, dtype=float)
@@ -202,6 +206,25 @@ def _plateau(df, th) -> list[Finding]:
                     "the loss fell fast and then stopped improving: check the LR (too high to settle, or decayed too "
                     "early), whether the data repeats (data.max_epochs), and whether the model is at capacity")]
 
+# %% ../nbs/08_analysis.ipynb #d231452f
+def _no_progress(df, th) -> list[Finding]:
+    if len(df) < 20: return []
+    step, loss = df["step"], df["loss"]
+    end = step.iloc[0] + th.early_segment * (step.iloc[-1] - step.iloc[0])
+    if "lr" in df.columns and df["lr"].notna().any():  # a long warmup: judge at least twice its length
+        end = max(end, step.iloc[0] + 2 * (step.iloc[int(df["lr"].fillna(0).to_numpy().argmax())] - step.iloc[0]))
+    early = loss[step <= end]
+    if len(early) < 10: return []
+    start, best = float(loss.iloc[:5].median()), float(early.rolling(max(3, len(early) // 5)).median().min())
+    if start - best >= th.min_early_drop: return []
+    evidence = {"initial_loss": start, "best_early_loss": best, "early_drop": start - best}
+    if "lr" in df.columns: evidence["peak_lr"] = float(df["lr"].max())
+    return [Finding("no_progress", int(step.iloc[0]), int(step[step <= end].iloc[-1]), "warning", evidence,
+                    "the loss does not fall: check the learning rate and its schedule (peak_lr not zero, warmup not most "
+                    "of the run), the data and labels (targets are the inputs shifted by one position, not masked out, "
+                    "from the same batch), and that the weights train (requires_grad on, the optimizer given the "
+                    "model's parameters, nothing frozen by mistake)")]
+
 # %% ../nbs/08_analysis.ipynb #38fdb8d0
 def _eval_findings(df, th) -> list[Finding]:
     if "eval_loss" not in df.columns: return []
@@ -231,7 +254,29 @@ def _eval_findings(df, th) -> list[Finding]:
     return findings
 
 # %% ../nbs/08_analysis.ipynb #fe53e0ca
+def _median_late(df, column) -> float:
+    "The median of `column` over the second half of the run; NaN with fewer than 10 values there."
+    if column not in df.columns: return math.nan
+    late = df.loc[df["step"] > df["step"].iloc[-1] / 2, column].dropna()
+    return float(late.median()) if len(late) >= 10 else math.nan
+
+def _layer_collapse(df, layers, th) -> list[Finding]:
+    stats = {l: (_median_late(df, moe_layer_key(l, "max_load")), _median_late(df, moe_layer_key(l, "idle"))) for l in layers}
+    bad = [l for l, (load, idle) in stats.items() if load >= th.collapse_load or idle >= th.collapse_idle]
+    if not bad: return []
+    worst, names = max(bad, key=lambda l: np.nan_to_num(stats[l][0])), ", ".join(map(str, bad))
+    late = df[df["step"] > df["step"].iloc[-1] / 2]
+    return [Finding("router_collapse", int(late["step"].iloc[0]), int(late["step"].iloc[-1]), "warning",
+                    {"layers": names, "worst_layer": worst, "median_max_load": stats[worst][0],
+                     "median_idle_share": stats[worst][1]},
+                    f"MoE layer{'s' if len(bad) > 1 else ''} {names}: most tokens go to a few experts, or some get none: "
+                    f"raise model.balance_rate (or the auxiliary loss weight), lower the router's learning rate, or start "
+                    f"with a longer warmup; watch {moe_layer_key(worst, 'max_load')} fall towards 1 and "
+                    f"{moe_layer_key(worst, 'idle')} towards 0")]
+
 def _router_collapse(df, th) -> list[Finding]:
+    layers = sorted({key[0] for key in map(parse_moe_layer_key, df.columns) if key})
+    if layers: return _layer_collapse(df, layers, th)  # per layer where logged: it names the layer
     if MOE_MAX_LOAD not in df.columns or df[MOE_MAX_LOAD].isna().all(): return []
     late = df[df["step"] > df["step"].iloc[-1] / 2].dropna(subset=[MOE_MAX_LOAD])
     if len(late) < 10 or late[MOE_MAX_LOAD].median() < th.collapse_load: return []
@@ -241,6 +286,7 @@ def _router_collapse(df, th) -> list[Finding]:
                     "most tokens go to a few experts: raise model.balance_rate (or the auxiliary loss weight), lower the "
                     "router's learning rate, or start with a longer warmup; watch moe/max_load fall towards 1")]
 
+# %% ../nbs/08_analysis.ipynb #0e4f0768
 def _schedule(df, th) -> list[Finding]:
     if "lr" not in df.columns or df["lr"].isna().all() or len(df) < 10: return []
     lr, steps = df["lr"].ffill().to_numpy(dtype=float), df["step"].to_numpy()
@@ -274,7 +320,8 @@ def diagnose(df: pd.DataFrame, vocab_size: int | None = None, thresholds: Thresh
     findings = list(df.attrs.get("problems", [])) + _divergence(train, th)
     finite = train[np.isfinite(train["loss"])].reset_index(drop=True)
     if len(finite):
-        findings += _leak(finite, vocab_size, th) + _spikes(finite, th) + _plateau(finite, th) + _schedule(finite, th)
+        stalled = _no_progress(finite, th)  # a curve that never fell is not a plateau
+        findings += _leak(finite, vocab_size, th) + _spikes(finite, th) + (stalled or _plateau(finite, th)) + _schedule(finite, th)
         findings += _router_collapse(finite, th)
         findings += _eval_findings(df[np.isfinite(df["loss"].fillna(0))], th)
     return sorted(findings, key=lambda f: (f.start_step, f.kind))
@@ -286,6 +333,38 @@ def findings_table(findings: list[Finding]) -> pd.DataFrame:
              "evidence": ", ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in f.evidence.items()),
              "action": f.action} for f in sorted(findings, key=lambda f: (order[f.severity], f.start_step))]
     return pd.DataFrame(rows, columns=["severity", "kind", "steps", "evidence", "action"])
+
+# %% ../nbs/08_analysis.ipynb #8305c4dd
+def router_health_frame(df: pd.DataFrame) -> pd.DataFrame:
+    "A run's per-layer router keys as a long table (step, layer, metric, value); empty when the run has none."
+    keys = {c: key for c in df.columns if (key := parse_moe_layer_key(c))}
+    if not keys: return pd.DataFrame(columns=["step", "layer", "metric", "value"])
+    long = df[["step", *keys]].melt(id_vars="step", var_name="key").dropna(subset=["value"])
+    long["layer"], long["metric"] = long["key"].map(lambda k: keys[k][0]), long["key"].map(lambda k: keys[k][1])
+    return long[["step", "layer", "metric", "value"]].sort_values(["metric", "layer", "step"], kind="stable").reset_index(drop=True)
+
+def plot_router_load(df: pd.DataFrame, bins: int = 60):
+    """Router health per MoE layer: the busiest expert over the mean as a heatmap of layers over steps (averaged in at
+    most `bins` bins of steps), then each layer's share of idle experts and load entropy. Returns the figure."""
+    import matplotlib.pyplot as plt
+    import seaborn as sns
+    long = router_health_frame(df)
+    if long.empty: raise AnalysisError("the curves have no per-layer router keys (moe/layer<i>/max_load, ...): a dense "
+                                       "model, or a run logged before the trainer wrote them")
+    first, last = int(long["step"].min()), int(long["step"].max())
+    width = max(1, math.ceil((last - first + 1) / bins))
+    binned = (long.assign(step=first + (long["step"] - first) // width * width)
+              .groupby(["metric", "layer", "step"], as_index=False)["value"].mean())
+    fig, axes = plt.subplots(1, 3, figsize=(17, 3.8), gridspec_kw={"width_ratios": [1.6, 1, 1]})
+    heat = binned[binned["metric"] == "max_load"].pivot(index="layer", columns="step", values="value")
+    if len(heat): sns.heatmap(heat, ax=axes[0], cmap="rocket_r", vmin=1, cbar_kws={"label": "busiest expert / mean"})
+    axes[0].set(title="max load by MoE layer", ylabel="MoE layer", xlabel=f"step (bins of {width})" if width > 1 else "step")
+    for ax, metric, title in ((axes[1], "idle", "share of idle experts"), (axes[2], "entropy", "load entropy / log(E): 1 is even")):
+        part = binned[binned["metric"] == metric]
+        if len(part): sns.lineplot(part, x="step", y="value", hue="layer", palette="viridis", ax=ax)
+        ax.set(title=title, xlabel="step", ylabel=metric, ylim=(-0.02, 1.02))
+    fig.tight_layout()
+    return fig
 
 # %% ../nbs/08_analysis.ipynb #c4d89cad
 def compare(curves: list[pd.DataFrame], metric: str = "loss", x: str = "tokens") -> pd.DataFrame:

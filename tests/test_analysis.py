@@ -1,4 +1,4 @@
-"Loss analysis: loaders, diagnosis on healthy and planted-anomaly curves, comparison, scaling fits, bad input."
+"Loss analysis: loaders, diagnosis on healthy and planted-anomaly curves, router health, comparison, scaling fits, bad input."
 import json
 import math
 
@@ -7,7 +7,8 @@ import pandas as pd
 import pytest
 
 from marin_study.analysis import (KINDS, AnalysisError, Thresholds, compare, diagnose, findings_table, fit_scaling_law,
-                                  load_curves)
+                                  load_curves, plot_router_load, router_health_frame)
+from marin_study.trainer.metrics import MOE_LAYER_METRICS, moe_layer_key, router_health
 from marin_study.widgets import explorer
 
 VOCAB = 8192
@@ -195,3 +196,103 @@ def test_a_collapsed_router_is_a_finding():
     df.loc[df["step"] > 100, ["moe/max_load", "moe/min_load"]] = [7.5, 0.0]
     (collapse,) = warnings(diagnose(df))
     assert collapse.kind == "router_collapse" and collapse.evidence["share_of_steps_with_idle_experts"] == 1.0
+
+
+def test_a_loss_that_does_not_fall_is_no_progress_not_plateau():
+    rng = np.random.default_rng(7)
+    base = healthy(0)
+    flat = base.assign(loss=math.log(VOCAB) + rng.normal(0, 0.03, len(base)))
+    barely = base.assign(loss=math.log(VOCAB) - 0.6 * base["step"] / len(base) + rng.normal(0, 0.03, len(base)))
+    frozen = flat.assign(lr=0.0)
+    for name, df in [("flat", flat), ("barely", barely), ("frozen", frozen)]:
+        found = warnings(diagnose(df.drop(columns="eval_loss"), VOCAB))
+        assert [f.kind for f in found] == ["no_progress"], (name, [str(f) for f in found])
+        (stuck,) = found
+        assert stuck.severity == "warning" and (stuck.start_step, stuck.end_step) == (1, 200), name
+        assert stuck.evidence["early_drop"] < Thresholds().min_early_drop
+        assert all(word in stuck.action for word in ("learning rate", "labels", "shifted by one", "requires_grad", "optimizer"))
+    assert [f for f in diagnose(frozen) if f.kind == "no_progress"][0].evidence["peak_lr"] == 0.0
+    assert not [f for f in diagnose(barely, thresholds=Thresholds(min_early_drop=0.05)) if f.kind == "no_progress"]
+
+
+def test_a_long_warmup_is_judged_over_twice_its_length():
+    df = healthy(1)
+    warm = 300  # the loss waits for the learning rate, then falls
+    df["lr"] = 3e-3 * np.minimum(df["step"] / warm, 1.0)
+    df["loss"] = np.where(df["step"] < 250, math.log(VOCAB), df["loss"].shift(249)).astype(float)
+    df["loss"] += np.random.default_rng(1).normal(0, 0.03, len(df))
+    assert not [f for f in diagnose(df, VOCAB) if f.kind == "no_progress"]
+    assert [f for f in diagnose(df.drop(columns="lr"), VOCAB) if f.kind == "no_progress"]  # without the lr: 20% of the run
+
+
+def test_a_flat_kit_log_gives_no_progress_through_the_external_interface(tmp_path):
+    rng = np.random.default_rng(3)
+    lines = [json.dumps({"step": s, "tokens": s * 4096, "loss": 9.01 + float(rng.normal(0, 0.02)), "lr": 1e-3,
+                         "grad_norm": 0.0, "moe/max_load": 1.1, "moe/min_load": 0.9}) for s in range(1, 301)]
+    (tmp_path / "metrics.jsonl").write_text("\n".join(lines) + "\n")
+    found = warnings(diagnose(load_curves(tmp_path), vocab_size=VOCAB))
+    assert [f.kind for f in found] == ["no_progress"] and "no_progress" in KINDS
+
+
+def test_the_real_tiny_run_makes_progress():
+    from conftest import ROOT
+    path = ROOT / "reports/train_tiny_metrics.jsonl"
+    if not path.exists(): pytest.skip("no tiny run yet (dvc repro train_tiny)")
+    assert not [str(f) for f in warnings(diagnose(load_curves(path), vocab_size=VOCAB))]
+
+
+def routed(collapsed: dict[int, tuple[float, float]], layers: int = 4, seed: int = 0) -> pd.DataFrame:
+    "A healthy run with per-layer router keys; `collapsed` maps a layer to its (max_load, idle) after step 100."
+    rng, df = np.random.default_rng(seed), healthy(seed)
+    for layer in range(layers):
+        load, idle = collapsed.get(layer, (1.3, 0.0))
+        late = df["step"] > 100
+        df[moe_layer_key(layer, "max_load")] = np.where(late, load, 1.3) + rng.normal(0, 0.05, len(df))
+        df[moe_layer_key(layer, "idle")] = np.where(late, idle, 0.0)
+        df[moe_layer_key(layer, "entropy")] = np.where(late & (layer in collapsed), 0.5, 0.98)
+        df[moe_layer_key(layer, "bias_norm")] = 1e-3 * np.sqrt(df["step"])
+    return df
+
+
+def test_router_collapse_is_judged_per_layer_and_names_the_layers():
+    assert not warnings(diagnose(routed({}), VOCAB))
+    (one,) = warnings(diagnose(routed({1: (7.0, 0.0), 3: (5.0, 0.0)}), VOCAB))
+    assert one.kind == "router_collapse" and one.evidence["layers"] == "1, 3" and one.evidence["worst_layer"] == 1
+    assert "MoE layers 1, 3:" in one.action and "moe/layer1/max_load" in one.action
+    (idle,) = warnings(diagnose(routed({0: (1.6, 0.4)}), VOCAB))  # experts starved, the busiest not yet 4x the mean
+    assert idle.evidence["layers"] == "0" and idle.evidence["median_idle_share"] == 0.4 and "MoE layer 0:" in idle.action
+    both = routed({2: (6.0, 0.5)}).assign(**{"moe/max_load": 6.0, "moe/min_load": 0.0})  # per-layer keys win, once
+    assert [f.evidence["layers"] for f in warnings(diagnose(both, VOCAB))] == ["2"]
+    assert not warnings(diagnose(routed({}).assign(**{"moe/max_load": 1.3, "moe/min_load": 0.7}), VOCAB))
+
+
+def test_router_health_of_a_planted_skew():
+    import torch
+    load_LE = torch.tensor([[64.0] * 8,                          # layer 0: perfectly even
+                            [512.0] + [0.0] * 7,                 # layer 1: everything on one expert
+                            [200.0, 200.0, 112.0, 0.0, 0.0, 0.0, 0.0, 0.0]])
+    bias_LE = torch.zeros(3, 8)
+    bias_LE[1] = torch.tensor([-0.004] + [0.001] * 7)
+    health = router_health(load_LE, bias_LE)
+    assert list(health) == [moe_layer_key(l, n) for l in range(3) for n in MOE_LAYER_METRICS]
+    assert list(health) == ["moe/layer0/max_load", "moe/layer0/idle", "moe/layer0/entropy", "moe/layer0/bias_norm"] + list(health)[4:]
+    assert health["moe/layer0/max_load"] == 1.0 and health["moe/layer0/idle"] == 0.0
+    assert health["moe/layer0/entropy"] == pytest.approx(1.0) and health["moe/layer0/bias_norm"] == 0.0
+    assert health["moe/layer1/max_load"] == 8.0 and health["moe/layer1/idle"] == 0.875 and health["moe/layer1/entropy"] == 0.0
+    assert health["moe/layer1/bias_norm"] == pytest.approx(math.sqrt(0.004 ** 2 + 7 * 0.001 ** 2))
+    p = np.array([200, 200, 112]) / 512
+    assert health["moe/layer2/max_load"] == pytest.approx(200 / 64) and health["moe/layer2/idle"] == 0.625
+    assert health["moe/layer2/entropy"] == pytest.approx(-(p * np.log(p)).sum() / math.log(8))
+    with pytest.raises(ValueError, match="unknown MoE layer metric"): moe_layer_key(0, "max")
+
+
+def test_router_health_frame_and_plot():
+    df = routed({2: (6.0, 0.5)}, layers=3)
+    long = router_health_frame(df)
+    assert list(long.columns) == ["step", "layer", "metric", "value"] and len(long) == 1000 * 3 * 4
+    assert long[(long.layer == 2) & (long.metric == "idle") & (long.step == 1000)]["value"].item() == 0.5
+    assert router_health_frame(healthy(0)).empty
+    fig = plot_router_load(df, bins=50)
+    heat = fig.axes[0].collections[0].get_array()
+    assert heat.shape == (3, 50) and heat[2, -1] > 5 and heat[0, -1] < 2
+    with pytest.raises(AnalysisError, match="no per-layer router keys"): plot_router_load(healthy(0))

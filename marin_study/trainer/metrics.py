@@ -4,9 +4,11 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from ..accounting import flops_per_token
 from ..config import Params
@@ -16,7 +18,8 @@ from ..utils import json_lines
 # %% auto #0
 __all__ = ['STEP', 'TOKENS', 'LOSS', 'LOGIT_Z_LOSS', 'AUX_LOSS', 'ROUTER_Z_LOSS', 'LR', 'GRAD_NORM', 'MOE_MAX_LOAD',
            'MOE_MIN_LOAD', 'MOE_BIAS_NORM', 'SKIPPED', 'SKIP_REASON', 'BAD_STEPS', 'STEP_TIME', 'DATA_TIME',
-           'TOKENS_PER_SEC', 'MFU', 'EVAL_LOSS', 'EVAL_BPB', 'domain_key', 'eval_domains', 'MetricsLog', 'Throughput']
+           'TOKENS_PER_SEC', 'MFU', 'EVAL_LOSS', 'EVAL_BPB', 'MOE_LAYER_METRICS', 'domain_key', 'eval_domains',
+           'moe_layer_key', 'parse_moe_layer_key', 'router_health', 'MetricsLog', 'Throughput']
 
 # %% ../../nbs/07f_metrics.ipynb #462349fb
 STEP, TOKENS = "step", "tokens"
@@ -37,6 +40,39 @@ def domain_key(key: str, domain: str) -> str:
 def eval_domains(keys) -> list[str]:
     "The held-out domains that a record (or any collection of keys) has per-domain evaluation keys for, sorted."
     return sorted({k.split("/")[1] for k in keys if k.startswith("eval/") and k.count("/") == 2})
+
+# %% ../../nbs/07f_metrics.ipynb #5dd18a00
+if TYPE_CHECKING: import torch  # for the annotations only: this module does not load torch
+
+MOE_LAYER_METRICS = ("max_load", "idle", "entropy", "bias_norm")
+
+
+def moe_layer_key(layer: int, name: str) -> str:
+    "The key of one MoE layer's router number: `moe_layer_key(0, 'max_load')` is 'moe/layer0/max_load'."
+    if name not in MOE_LAYER_METRICS: raise ValueError(f"unknown MoE layer metric {name!r}; one of {', '.join(MOE_LAYER_METRICS)}")
+    return f"moe/layer{int(layer)}/{name}"
+
+
+def parse_moe_layer_key(key: str) -> tuple[int, str] | None:
+    "(layer, name) of a per-layer MoE key, None for any other key: the inverse of `moe_layer_key`."
+    parts = key.split("/") if isinstance(key, str) else []
+    if len(parts) != 3 or parts[0] != "moe" or not parts[1].startswith("layer") or parts[2] not in MOE_LAYER_METRICS: return None
+    number = parts[1].removeprefix("layer")
+    return (int(number), parts[2]) if number.isdigit() else None
+
+
+def router_health(load_LE: torch.Tensor, bias_LE: torch.Tensor) -> dict[str, float]:
+    """The per-layer router keys of one step. `load_LE`: tokens routed to each expert, summed over ranks (L MoE layers,
+    E experts); `bias_LE`: each layer's balancing bias."""
+    load = load_LE.detach().double()  # as the trainer computes the aggregate
+    L, E = load.shape
+    p = load / load.sum(-1, keepdim=True).clamp_min(1e-12)
+    columns = {"max_load": load.max(-1).values / load.mean(-1).clamp_min(1e-12),
+               "idle": (load == 0).double().mean(-1),
+               "entropy": 0.0 - p.xlogy(p).sum(-1) / (math.log(E) if E > 1 else 1.0),  # 0 log 0 = 0
+               "bias_norm": bias_LE.detach().double().norm(dim=-1)}
+    values = {name: column.tolist() for name, column in columns.items()}  # four small copies to the host
+    return {moe_layer_key(layer, name): values[name][layer] for layer in range(L) for name in MOE_LAYER_METRICS}
 
 # %% ../../nbs/07f_metrics.ipynb #729ef3a0
 class MetricsLog:
