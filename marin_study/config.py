@@ -20,8 +20,8 @@ from .utils import atomic_write, split_assignment
 
 # %% auto #0
 __all__ = ['DEFAULT_FILTERS', 'SECTIONS', 'REQUIRED_SECTIONS', 'YamlLoader', 'YamlDumper', 'parse_value', 'Problem',
-           'ConfigError', 'Section', 'ModelConfig', 'MixturePhase', 'DataConfig', 'TrainConfig', 'ParallelConfig',
-           'LaunchConfig', 'Params', 'params_from_dict', 'load_params', 'dump_params', 'save_params']
+           'ConfigError', 'Section', 'ModelConfig', 'MixturePhase', 'DataConfig', 'split_init_from', 'TrainConfig',
+           'ParallelConfig', 'LaunchConfig', 'Params', 'params_from_dict', 'load_params', 'dump_params', 'save_params']
 
 # %% ../nbs/02_config.ipynb #6fe14b2f
 _YAML12 = [  # (tag, pattern, first characters): YAML 1.2 core schema
@@ -251,6 +251,7 @@ class DataConfig(Section):
     decontam_ngram: int = _f(13, ge=1)     # words per n-gram for the held-out overlap check (GPT-3 used 13)
     decontam_fraction: float = _f(0.3, gt=0, le=1)  # drop a training document with this share of its n-grams held out
     token_dtype: Literal["auto", "uint16", "uint32"] = "auto"
+    num_workers: int = _f(0, ge=0)         # training loader processes per rank (0 = in the trainer); same batches for any
 
     @property
     def phases(self) -> list[MixturePhase]:
@@ -274,6 +275,16 @@ class DataConfig(Section):
         starts = [p.start_step for p in self.mixture]
         if starts != sorted(set(starts)):
             yield Problem("mixture", f"phase start steps {starts} are not increasing", "order phases by start_step")
+
+# %% ../nbs/02_config.ipynb #0a6c44ee
+def split_init_from(spec: str) -> tuple[str, int | None]:
+    "`train.init_from` as (folder, step or None): 'runs/a:400' is step 400 of the run folder runs/a."
+    folder, colon, step = spec.rpartition(":")
+    if not colon: return spec, None
+    if not (step.isascii() and step.isdigit()):
+        raise ValueError(f"{spec!r}: a ':' must be followed by a step number (RUN_DIR:STEP), not {step!r}")
+    if not folder: raise ValueError(f"{spec!r}: step {step} of which run? RUN_DIR is missing before the ':'")
+    return folder, int(step)
 
 # %% ../nbs/02_config.ipynb #dcfc9e68
 @dataclass
@@ -305,6 +316,7 @@ class TrainConfig(Section):
     spike_warmup: int = _f(50, ge=0)             # first accepted steps: only NaN/inf is judged
     max_bad_steps: int = _f(5, ge=1)             # this many bad steps in a row stop the run
     tensorboard: bool = False                    # also write the metrics as TensorBoard events in RUN_DIR/tensorboard
+    init_from: str = ""                          # a new run from these weights: RUN_DIR[:STEP], a checkpoint or an export
 
     @property
     def tokens(self) -> int: return self.steps * self.global_batch * self.seq_len
@@ -313,6 +325,8 @@ class TrainConfig(Section):
         if self.global_batch % self.micro_batch:
             yield Problem("global_batch", f"{self.global_batch} is not a multiple of micro_batch ({self.micro_batch})",
                           "make global_batch a multiple of micro_batch")
+        try: split_init_from(self.init_from)
+        except ValueError as e: yield Problem("init_from", str(e), "write RUN_DIR:STEP with a whole step, or a folder without ':'")
 
 # %% ../nbs/02_config.ipynb #a8080236
 @dataclass

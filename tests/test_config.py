@@ -93,12 +93,23 @@ def test_unknown_section_and_override_key_suggest():
     ("data.mixture.web=-1", "data.mixture.web", "is negative"),
     ("launch.time=2 days", "launch.time", "not a Slurm time limit"),
     ("launch.gpus_per_node=8", "launch.procs_per_node", "one process per GPU"),
+    ("data.num_workers=-1", "data.num_workers", "out of range"),
+    ("train.init_from=runs/a:last", "train.init_from", "must be followed by a step number"),
+    ("train.init_from=:400", "train.init_from", "RUN_DIR is missing"),
 ])
 def test_rules_name_the_key_the_problem_and_a_fix(override, key, words):
     err = error_of(load_params, ROOT / "params/tiny.yaml", [override])
     matching = [p for p in err.problems if p.key == key and words in f"{p.message} {p.fix}"]
     assert matching and all(p.fix for p in err.problems), str(err)
     assert f"override '{override}'" in str(err) or "params/tiny.yaml" in str(err)
+
+
+def test_init_from_and_num_workers_load_with_their_defaults_and_round_trip(tmp_path):
+    tiny = load_params(ROOT / "params/tiny.yaml")
+    assert tiny.train.init_from == "" and tiny.data.num_workers == 0
+    p = load_params(ROOT / "params/tiny.yaml", ["train.init_from=runs/tiny/run:200", "data.num_workers=2"])
+    assert p.train.init_from == "runs/tiny/run:200" and p.data.num_workers == 2
+    assert load_params(save_params(p, tmp_path / "again.yaml")) == p
 
 
 def test_dense_model_rules():

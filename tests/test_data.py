@@ -202,9 +202,23 @@ def test_loader_resumes_and_is_independent_of_world_size(pipeline):
     ranks = [list(make_loader(params, rank=r, world_size=2)) for r in (0, 1)]
     per_step = [torch.cat([torch.cat(ranks[0][2 * s:2 * s + 2]), torch.cat(ranks[1][2 * s:2 * s + 2])]) for s in range(6)]
     assert torch.equal(torch.cat(per_step), full)
-    workers = torch.cat(list(make_loader(params, workers=2)))
-    assert torch.equal(workers, full)
     assert list(StepSampler(8, 6, rank=1, world_size=2, start_step=5)) == [44, 45, 46, 47]
+
+
+@pytest.mark.parametrize("start_step", [0, 3])
+def test_the_loader_gives_the_same_batches_for_any_num_workers(pipeline, start_step):
+    params = dataclasses.replace(pipeline["params"], train=dataclasses.replace(PARAMS.train, steps=6, global_batch=8,
+                                                                              micro_batch=2))
+    def first_batches(workers: int, n: int = 8) -> list:
+        loader = make_loader(dataclasses.replace(params, data=dataclasses.replace(params.data, num_workers=workers)),
+                             start_step=start_step)
+        assert loader.num_workers == workers  # the trainer's call, make_loader(params, rank, world_size, start_step)
+        return [batch for batch, _ in zip(loader, range(n))]
+    alone = first_batches(0)
+    assert len(alone) == 8 and alone[0].shape == (2, 257)
+    for workers in (1, 2):
+        assert all(torch.equal(a, b) for a, b in zip(alone, first_batches(workers), strict=True)), workers
+    assert make_loader(params, workers=2).num_workers == 2  # an explicit count wins over data.num_workers
 
 
 def test_mixture_params_validate():

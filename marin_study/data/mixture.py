@@ -154,10 +154,10 @@ class StepSampler(torch.utils.data.Sampler):
 
     def __len__(self): return (self.steps - self.start_step) * self.per_rank
 
-def make_loader(params: Params, rank: int = 0, world_size: int = 1, start_step: int = 0, workers: int = 0,
+def make_loader(params: Params, rank: int = 0, world_size: int = 1, start_step: int = 0, workers: int | None = None,
                 prefetch: int = 4) -> torch.utils.data.DataLoader:
-    "Micro-batches of (micro_batch, seq_len + 1) token ids for this rank, resuming at `start_step`."
-    t = params.train
+    "Micro-batches of (micro_batch, seq_len + 1) token ids for this rank from `start_step`; `workers` default: data.num_workers."
+    t, workers = params.train, params.data.num_workers if workers is None else workers
     if refusals := layout_refusals(params.model, Layout.from_params(params, world_size), t.global_batch, world_size,
                                    trainer=True):
         raise DataError(f"cannot load batches for {world_size} processes: " + "; ".join(map(str, refusals)))
@@ -177,7 +177,7 @@ def data_check(params: Params, blocks: int = 4, batches: int = 50) -> dict:
     t = params.train
     mixture = Mixture(params.data, shard_dir(params), t.seq_len, t.global_batch, total_samples=t.steps * t.global_batch)
     tokenizer = load_tokenizer(Path(params.data.out_dir) / "tokenizer.json")
-    loader = make_loader(params, workers=2)
+    loader = make_loader(params)
     batch = next(iter(loader))
     print(f"micro-batch: {tuple(batch.shape)} {batch.dtype} (micro_batch, seq_len + 1); "
           f"{t.global_batch // t.micro_batch} micro-batches per step on one process")
@@ -198,5 +198,5 @@ def data_check(params: Params, blocks: int = 4, batches: int = 50) -> dict:
         n += len(b)
         if k + 1 == batches: break
     rate = n / (time.perf_counter() - start)
-    print(f"loader: {rate:,.0f} samples/s ({rate * t.seq_len:,.0f} tokens/s) with 2 workers prefetching")
+    print(f"loader: {rate:,.0f} samples/s ({rate * t.seq_len:,.0f} tokens/s) with data.num_workers {params.data.num_workers}")
     return {"batch_shape": tuple(batch.shape), "mixture": rows, "samples_per_second": rate}
