@@ -72,9 +72,11 @@ def layout_refusals(model, layout: Layout, global_batch: int, world_size: int | 
                            f"{L.micro_batch} on {L.dp} data-parallel ranks",
                            f"make it a multiple of micro_batch x {L.dp} ({L.micro_batch * L.dp}), or change "
                            "train.micro_batch or the process count"))
-    if trainer and (L.tp * L.pp * L.ep > 1 or L.recompute != "none"):
-        out.append(Refusal("parallel", f"tp/pp/ep are {L.tp}/{L.pp}/{L.ep} and activation_checkpointing is "
-                           f"{L.recompute!r}, but the trainer runs data parallel with ZeRO only and keeps every activation",
-                           "set parallel.tp, pp and ep to 1 and activation_checkpointing to 'none' to train "
-                           "(marin-study plan uses them)"))
+    if trainer and L.tp * L.pp > 1:
+        out.append(Refusal("parallel", f"tp/pp are {L.tp}/{L.pp}, but the trainer runs data and expert parallelism "
+                           "only (DeepSpeed gives tensor and pipeline parallelism to Megatron-style modules, not to "
+                           "this model)", "set parallel.tp and pp to 1 to train; marin-study plan models them"))
+    if trainer and L.ep > 1 and L.zero_stage == 3:
+        out.append(Refusal("parallel.zero_stage", "3 with expert parallelism: DeepSpeed's ZeRO-3 partitions only its "
+                           "AutoEP layers' experts", "use ZeRO 1 or 2 with parallel.ep, or parallel.ep: 1 with ZeRO 3"))
     return out

@@ -88,7 +88,7 @@ def test_a_layout_that_cannot_split_the_batch_is_refused_with_one_message(tmp_pa
 
 
 def test_a_layout_only_the_planner_models_is_refused_by_everything_that_trains(tmp_path):
-    sets = ["parallel.ep=2", "parallel.activation_checkpointing=full"]
+    sets = ["parallel.pp=2"]
     params = load_params(ROOT / "params/tiny.yaml", sets)  # a valid layout: the planner models it
     refusals = layout_refusals(params.model, Layout.from_params(params, 2), params.train.global_batch, 2, trainer=True)
     assert [r.key for r in refusals] == ["parallel"]
@@ -96,5 +96,5 @@ def test_a_layout_only_the_planner_models_is_refused_by_everything_that_trains(t
     with pytest.raises(DataError) as loader:
         make_loader(params, rank=0, world_size=2)
     for where, text in [("launch slurm", "\n".join(layout_errors(params, "params/tiny.yaml"))), ("loader", str(loader.value)),
-                        ("trainer", train_refusal(tmp_path, sets))]:
+                        ("trainer", train_refusal(tmp_path, sets, world_size=2))]:
         assert message in text, f"{where} says something else:\n{text}"

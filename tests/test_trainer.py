@@ -11,9 +11,10 @@ from pathlib import Path
 
 import psutil
 import pytest
+import torch
 
-from conftest import BIN, ROOT, STEPS, command, run
-from marin_study.trainer.checkpoint import Checkpoints
+from conftest import BIN, ROOT, STEPS, command, free_port, run
+from marin_study.trainer.checkpoint import Checkpoints, checkpoint_name
 from marin_study.trainer.metrics import MetricsLog, eval_domains
 
 def losses(run_dir: Path, key: str = "loss") -> list:
@@ -100,9 +101,9 @@ def test_sigkill_before_the_first_checkpoint_starts_over_without_duplicate_lines
     check_same_run(tmp_path / "run", reference(0), "killed before the first checkpoint")
 
 
-def check_same_run(run_dir: Path, reference_dir: Path, context: str) -> None:
+def check_same_run(run_dir: Path, reference_dir: Path, context: str, steps: int = STEPS) -> None:
     "Every step logged once, with the very losses, gradient norms and balancing biases of the reference run."
-    assert [r["step"] for r in MetricsLog(run_dir / "metrics.jsonl").read()] == list(range(1, STEPS + 1)), context
+    assert [r["step"] for r in MetricsLog(run_dir / "metrics.jsonl").read()] == list(range(1, steps + 1)), context
     for key in ("loss", "grad_norm", "moe/bias_norm"):
         assert losses(run_dir, key) == losses(reference_dir, key), f"{context}: {key}"
 
@@ -267,8 +268,143 @@ def test_trainer_benchmark_runs_and_prints_its_ratio(params_file):
     assert float(result.stdout.strip().splitlines()[-1].removeprefix("ratio: ")) > 0
 
 
-@pytest.mark.parametrize("setting", ["parallel.ep=2", "parallel.activation_checkpointing=full"])
-def test_parallelism_the_trainer_does_not_run_is_refused_not_ignored(setting, params_file, tmp_path):
-    result = run(command("alone", params_file, tmp_path / "run", setting), check=False)
-    assert result.returncode == 2 and "the trainer runs data parallel with ZeRO only" in result.stderr
+@pytest.mark.parametrize("settings, says", [(["parallel.pp=2"], "marin-study plan models them"),
+                                            (["parallel.ep=2", "parallel.zero_stage=3"], "AutoEP")])
+def test_parallelism_the_trainer_does_not_run_is_refused_not_ignored(settings, says, params_file, tmp_path):
+    env = {**os.environ, "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2",
+           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}  # rank 0 of 2: refused before any rendezvous
+    result = run(command("alone", params_file, tmp_path / "run", *settings), check=False, env=env)
+    assert result.returncode == 2 and says in result.stderr
     assert "Traceback" not in result.stderr and not (tmp_path / "run/metrics.jsonl").exists()
+
+
+# Expert parallelism: the same run with the routed experts split over the two processes (ep 2) or not (ep 1).
+EP_STEPS = 20
+
+
+@pytest.fixture(scope="session")
+def expert_parallel(params_file, tmp_path_factory):
+    "20-step 2-process runs at parallel.ep 1 and 2 (ZeRO 0), made once."
+    runs = {}
+    def get(ep: int) -> Path:
+        if ep not in runs:
+            runs[ep] = tmp_path_factory.mktemp(f"ep{ep}")
+            run(command("torchrun", params_file, runs[ep], f"parallel.ep={ep}", f"train.steps={EP_STEPS}",
+                        "train.checkpoint_every=10", "train.eval_every=0"))
+        return runs[ep]
+    return get
+
+
+def test_expert_parallel_trains_the_same_model_as_one_expert_group(expert_parallel):
+    one, two = expert_parallel(1), expert_parallel(2)
+    assert [r["step"] for r in MetricsLog(two / "metrics.jsonl").read()] == list(range(1, EP_STEPS + 1))
+    # fp32, the same sums in another order (each rank's rows meet an expert in their own grouped matmul): 1e-5
+    for key in ("loss", "grad_norm", "moe/max_load", "moe/bias_norm", "moe/layer0/entropy"):
+        assert losses(two, key) == pytest.approx(losses(one, key), rel=1e-5), key
+    assert losses(two)[-1] < losses(two)[0] - 0.5
+    report = json.loads((two / "memory.json").read_text())
+    assert report["layout"].startswith("tp1 pp1 ep2 dp2 zero0")
+    one_rank = json.loads((one / "memory.json").read_text())["ranks"][0]
+    for held in report["ranks"]:  # each rank holds half of the experts' weights, gradients and Adam moments
+        assert held["params"] < one_rank["params"]
+        for key in ("params", "grads", "optimizer"):
+            assert held[key] == pytest.approx(report["predicted"][key], rel=0.01), (key, held, report["predicted"])
+
+
+def test_expert_parallel_resumes_bit_exact_and_another_layout_starts_from_its_weights(expert_parallel, params_file,
+                                                                                     tmp_path):
+    from marin_study.trainer.checkpointer import load_weights
+    one, two, run_dir = expert_parallel(1), expert_parallel(2), tmp_path / "run"
+    shutil.copytree(two, run_dir)
+    shutil.rmtree(run_dir / f"checkpoints/step-{EP_STEPS:08d}")
+    sets = ("parallel.ep=2", f"train.steps={EP_STEPS}", "train.checkpoint_every=10", "train.eval_every=0")
+    result = run(command("torchrun", params_file, run_dir, *sets))
+    assert "resumed from" in result.stderr and "step-00000010" in result.stderr
+    check_same_run(run_dir, two, "resumed at step 10 with ep 2", steps=EP_STEPS)
+    assert sorted(p.name for p in (run_dir / "checkpoints/step-00000020").glob("experts-*")) == \
+        ["experts-000-of-002.pt", "experts-001-of-002.pt"]
+
+    refused = run(command("alone", params_file, run_dir, f"train.steps={EP_STEPS + 2}"), check=False)
+    assert refused.returncode == 2 and "resumes on its own layout only" in refused.stderr
+    assert f"train.init_from={run_dir}:{EP_STEPS}" in refused.stderr and "Traceback" not in refused.stderr
+    # the weights put back together: the ep 1 run's, up to the order of fp32 sums, which Adam's step turns into up to
+    # ~3e-5 on the embeddings of rarely seen tokens (their gradients are tiny, so their order matters)
+    joined, whole = load_weights(two / "checkpoints/step-00000020"), load_weights(one / "checkpoints/step-00000020")
+    assert joined.keys() == whole.keys()
+    for key in whole: torch.testing.assert_close(joined[key], whole[key], rtol=1e-4, atol=1e-4, msg=lambda m, key=key: f"{key}: {m}")
+    new = tmp_path / "new"
+    run(command("alone", params_file, new, f"train.init_from={run_dir}:{EP_STEPS}", until=1))
+    assert losses(new)[0] < losses(two)[0] - 0.5  # the trained weights, on one process without expert parallelism
+
+
+def test_expert_parallel_gradients_equal_one_process_holding_every_expert(params_file):
+    result = run([BIN / "torchrun", "--nproc_per_node", "2", "--master_port", str(free_port()),
+                  ROOT / "tests/expert_parallel_grads.py", params_file], check=False)
+    assert result.returncode == 0, result.stdout + result.stderr[-3000:]
+    assert result.stdout.count("largest gradient difference") == 2
+
+
+def same_weights(a: dict, b: dict) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_init_from_a_run_a_step_a_checkpoint_or_an_export_gives_that_checkpoints_weights(reference, params_file,
+                                                                                          tiny_export):
+    from marin_study.config import load_params
+    from marin_study.model import Transformer
+    from marin_study.trainer.checkpointer import initial_weights, load_weights
+    params, run_dir = load_params(params_file), reference(0)
+    newest, second = (run_dir / "checkpoints" / checkpoint_name(s) for s in (STEPS, 2))
+    expected = load_weights(newest)
+    for spec in (run_dir, f"{run_dir}:{STEPS}", newest, tiny_export):  # the export was made from the newest checkpoint
+        assert same_weights(initial_weights(str(spec), params), expected), spec
+    early = initial_weights(f"{run_dir}:2", params)
+    assert same_weights(early, load_weights(second)) and not same_weights(early, expected)
+    trained, fresh = Transformer(params.model), Transformer(params.model)
+    trained.load_state_dict(expected, strict=True)
+    biases = [k for k in expected if k.endswith("balance_bias")]
+    assert biases and any(expected[k].any() for k in biases)  # the balancing biases come with the weights
+    assert all(torch.equal(trained.get_buffer(k), expected[k]) for k in biases)
+    from marin_study.data.mixture import make_loader
+    batch = next(iter(make_loader(params)))  # the first batch, which the source run trained on
+    with torch.no_grad():
+        assert trained(batch[:, :-1], batch[:, 1:]).ce_loss < fresh(batch[:, :-1], batch[:, 1:]).ce_loss
+
+
+def test_init_from_refuses_what_it_cannot_start_from(reference, params_file, tiny_export, tmp_path):
+    from marin_study.config import load_params
+    from marin_study.trainer.checkpointer import initial_weights
+    from marin_study.trainer.processes import TrainError
+    params, run_dir = load_params(params_file), reference(0)
+    def refusal(spec, p=params) -> str:
+        with pytest.raises(TrainError) as error: initial_weights(str(spec), p)
+        assert f"train.init_from {str(spec)!r}" in str(error.value)
+        return str(error.value)
+    other = load_params(params_file, ["model.n_layers=2", "model.qk_norm=true"])
+    assert "model.n_layers 4 there, 2 here; model.qk_norm False there, True here" in refusal(run_dir, other)
+    assert "matches" in refusal(tiny_export, other)
+    assert "does not exist" in refusal(tmp_path / "nowhere") and "no weights" in refusal("")
+    assert "its steps are [2, 4, 6, 8]" in refusal(f"{run_dir}:7")
+    assert "drop ':2'" in refusal(f"{tiny_export}:2")
+    damaged = tmp_path / "damaged"
+    shutil.copytree(run_dir / "checkpoints" / checkpoint_name(2), damaged / "checkpoints" / checkpoint_name(2))
+    (damaged / "checkpoints" / checkpoint_name(2) / "trainer.json").write_text("torn")
+    assert "verifies" in refusal(damaged) and "trainer.json" in refusal(damaged / "checkpoints" / checkpoint_name(2))
+    (tmp_path / "empty/checkpoints").mkdir(parents=True)
+    assert "holds no checkpoint" in refusal(tmp_path / "empty")
+    record = json.loads((tiny_export / "marin_export.json").read_text())
+    for name, change, words in [("moved", {"source_run": str(tmp_path / "gone")}, "no longer there"),
+                                ("changed", {"checkpoint_manifest_sha256": "0" * 64}, "has changed since")]:
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "marin_export.json").write_text(json.dumps({**record, **change}))
+        assert words in refusal(tmp_path / name)
+
+
+def test_train_init_from_starts_a_new_run_from_the_weights_and_resume_wins(reference, params_file, tmp_path):
+    run_dir, source = tmp_path / "run", reference(0)
+    run(command("alone", params_file, run_dir, f"train.init_from={source}", until=2))
+    records = MetricsLog(run_dir / "metrics.jsonl").read()
+    assert [r["step"] for r in records] == [1, 2]  # a new run: step 0, not the source's step 8
+    assert records[0]["loss"] < (losses(source)[0] + losses(source)[-1]) / 2  # trained weights on the same first batch
+    again = run(command("alone", params_file, run_dir, f"train.init_from={source}", until=4))
+    assert "resumed from" in again.stderr and [r["step"] for r in MetricsLog(run_dir / "metrics.jsonl").read()] == [1, 2, 3, 4]

@@ -3,6 +3,8 @@
 # %% ../../nbs/07h_checkpointer.ipynb #289a750b
 from __future__ import annotations
 
+import dataclasses
+import hashlib
 import json
 import os
 import random
@@ -17,16 +19,17 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from ..config import Params, dump_params, load_params
-from .checkpoint import Checkpoints, UnsafeCheckpoint, checkpoint_name, safe_loading, verify
+from ..config import Params, dump_params, load_params, split_init_from
+from .checkpoint import MANIFEST, Checkpoints, UnsafeCheckpoint, checkpoint_name, safe_loading, verify
 from .metrics import MetricsLog
 from .optim import StepGuard
 from .processes import TrainError, say
 from ..utils import atomic_write
 
 # %% auto #0
-__all__ = ['check_same_experiment', 'newest_valid', 'rng_state', 'set_rng_state', 'to_universal', 'restore_buffers', 'Resume',
-           'Checkpointer', 'load_weights']
+__all__ = ['check_same_experiment', 'newest_valid', 'rng_state', 'set_rng_state', 'to_universal', 'restore_buffers',
+           'expert_share', 'restore_expert_share', 'joined_experts', 'Resume', 'Checkpointer', 'load_weights',
+           'initial_weights']
 
 # %% ../../nbs/07h_checkpointer.ipynb #7a6fe700
 def check_same_experiment(run_dir: str | os.PathLike, params: Params) -> None:
@@ -35,7 +38,7 @@ def check_same_experiment(run_dir: str | os.PathLike, params: Params) -> None:
     saved = run_dir / "params.yaml"
     if not saved.exists(): return
     before, now = load_params(saved).to_dict(), params.to_dict()
-    fixed = [("model", k) for k in now["model"]] + [("data", k) for k in now["data"]]
+    fixed = [("model", k) for k in now["model"]] + [("data", k) for k in now["data"] if k != "num_workers"]
     fixed += [("train", k) for k in ("global_batch", "seq_len", "seed")]
     changed = [f"{s}.{k}" for s, k in fixed if before[s].get(k) != now[s][k]]
     if changed:
@@ -88,6 +91,30 @@ def restore_buffers(module: torch.nn.Module, folder: Path) -> None:
         for name, buffer in module.named_buffers():
             if name in saved: buffer.copy_(saved[name])
 
+# %% ../../nbs/07h_checkpointer.ipynb #6c1f8d2a
+def expert_share(module: torch.nn.Module) -> tuple[str, dict[str, torch.Tensor]] | None:
+    "Under expert parallelism, this rank's share of the routed experts: (its file name, its weights by name); else None."
+    groups = [moe.ep_group for moe in module.moe_layers() if moe.ep_group is not None]
+    if not groups: return None
+    P, r = dist.get_world_size(groups[0]), dist.get_rank(groups[0])
+    weights = {name: p.detach() for name, p in module.named_parameters() if not getattr(p, "allreduce", True)}
+    return f"experts-{r:03d}-of-{P:03d}.pt", weights
+
+
+def restore_expert_share(module: torch.nn.Module, folder: Path) -> None:
+    "Copy this rank's share of the routed experts back from checkpoint `folder` (nothing to do without expert parallelism)."
+    if (share := expert_share(module)) is None: return
+    name, weights = share
+    saved = torch.load(folder / name, map_location="cpu")
+    with torch.no_grad():
+        for key, weight in weights.items(): weight.copy_(saved[key])
+
+
+def joined_experts(folder: Path, module_state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    "The whole model's state from rank 0's model states and every expert-parallel share saved in `folder`."
+    shares = [torch.load(path, map_location="cpu") for path in sorted(folder.glob("experts-*-of-*.pt"))]
+    return {**module_state, **{key: torch.cat([share[key] for share in shares]) for key in (shares[0] if shares else {})}}
+
 # %% ../../nbs/07h_checkpointer.ipynb #acbd8123
 @dataclass
 class Resume:
@@ -124,6 +151,13 @@ class Checkpointer:
         if state["zero_stage"] != stage and 0 in (state["zero_stage"], stage):
             raise TrainError(f"{folder} was saved with parallel.zero_stage {state['zero_stage']}; resume it with the same "
                              f"stage (stages 1-3 convert between each other through a universal checkpoint)")
+        saved_ep, ep = state.get("ep", 1), self.params.parallel.ep
+        if max(saved_ep, ep) > 1 and (saved_ep, state["world_size"]) != (ep, self.world_size):
+            raise TrainError(f"{folder} was saved with parallel.ep {saved_ep} on {state['world_size']} processes; a run "
+                             f"with expert parallelism resumes on its own layout only (DeepSpeed's universal conversion "
+                             f"reassembles only its AutoEP layers' experts): resume with parallel.ep={saved_ep} on "
+                             f"{state['world_size']} processes, or start a new run from its weights on any layout with "
+                             f"--set train.init_from={self.run_dir}:{state['step']}")
         return Resume(folder, state, stage > 0 and (state["world_size"], state["zero_stage"]) != (self.world_size, stage))
 
     def restore(self, resume: Resume | None, engine, guard: StepGuard) -> int:
@@ -144,6 +178,7 @@ class Checkpointer:
                 loaded, _ = engine.load_checkpoint(str(load_dir), tag="deepspeed", load_lr_scheduler_states=False)
                 if loaded is None: raise TrainError(f"DeepSpeed could not load the checkpoint in {load_dir}")
                 if resume.convert: restore_buffers(engine.module, folder)
+                if self.params.parallel.ep > 1: restore_expert_share(engine.module, folder)
                 self.barrier()
                 if resume.convert and self.rank == 0: shutil.rmtree(load_dir)
                 if (rng := folder / f"rng-{self.rank}.pt").exists(): set_rng_state(torch.load(rng))
@@ -160,12 +195,16 @@ class Checkpointer:
         staging = self.checkpoints.staging(step)
         engine.save_checkpoint(str(staging), tag="deepspeed", save_latest=False)
         torch.save(rng_state(), staging / f"rng-{self.rank}.pt")
+        if self.params.parallel.ep > 1 and self.rank < self.params.parallel.ep:  # the first expert-parallel group
+            name, weights = expert_share(engine.module)
+            torch.save(weights, staging / name)
         self.barrier()
         final = self.checkpoints.root / checkpoint_name(step)
         if self.rank == 0:
             t = self.params.train
             state = {"step": step, "samples": step * t.global_batch, "tokens": step * t.global_batch * t.seq_len,
                      "world_size": self.world_size, "zero_stage": self.params.parallel.zero_stage,
+                     "ep": self.params.parallel.ep,
                      "metrics_offset": self.metrics.offset(), "guard": guard.state_dict()}
             atomic_write(staging / "trainer.json", json.dumps(state, indent=1) + "\n")
             atomic_write(staging / "params.yaml", dump_params(self.params))
@@ -174,14 +213,89 @@ class Checkpointer:
         return final
 
 # %% ../../nbs/07h_checkpointer.ipynb #74d87325
+def _read_weights(folder: Path) -> dict[str, torch.Tensor]:
+    "The fp32 weights and buffers of checkpoint `folder`, which the caller has verified."
+    try:
+        with safe_loading():
+            state = json.loads((folder / "trainer.json").read_text())
+            if state["zero_stage"] == 0 or state.get("ep", 1) > 1:  # the fp32 weights as rank 0 held them, whole experts
+                module = torch.load(folder / "deepspeed/mp_rank_00_model_states.pt", map_location="cpu")["module"]
+                return joined_experts(folder, module)
+            from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+            return get_fp32_state_dict_from_zero_checkpoint(str(folder), tag="deepspeed")
+    except UnsafeCheckpoint as e: raise TrainError(str(e)) from None
+
 def load_weights(checkpoint: str | os.PathLike) -> dict[str, torch.Tensor]:
     "The fp32 weights and buffers of a verified checkpoint folder, whatever its ZeRO stage and number of processes."
     folder = Path(checkpoint)
     if (problem := verify(folder)) is not None: raise TrainError(f"{folder}: {problem}")
-    try:
-        with safe_loading():
-            if json.loads((folder / "trainer.json").read_text())["zero_stage"] == 0:
-                return torch.load(folder / "deepspeed/mp_rank_00_model_states.pt", map_location="cpu")["module"]
-            from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
-            return get_fp32_state_dict_from_zero_checkpoint(str(folder), tag="deepspeed")
-    except UnsafeCheckpoint as e: raise TrainError(str(e)) from None
+    return _read_weights(folder)
+
+# %% ../../nbs/07h_checkpointer.ipynb #77ce5490
+def _same_model(where: str, source: Path, saved: dict, params: Params) -> None:
+    "Refuse the weights of another model: every key of `saved` (a model section) must equal params.model's."
+    ours = dataclasses.asdict(params.model)
+    differ = [f"model.{k} {saved.get(k, '(absent)')!r} there, {v!r} here" for k, v in ours.items() if saved.get(k) != v]
+    if differ:
+        raise TrainError(f"{where}: {source} holds another model ({'; '.join(differ)}); start from it with a params "
+                         f"file whose model section matches its params.yaml")
+
+def _exported_checkpoint(where: str, export: Path) -> Path:
+    "The checkpoint a folder of `marin-study export` was made from, if it is still there unchanged."
+    record = json.loads((export / "marin_export.json").read_text())
+    if "source_run" not in record:
+        raise TrainError(f"{where}: {export} was written from weights in memory, not from a run's checkpoint; pass the "
+                         f"run folder or checkpoint its weights came from")
+    folder = Path(record["source_run"]) / "checkpoints" / checkpoint_name(record["step"])
+    if not (folder / MANIFEST).is_file():
+        raise TrainError(f"{where}: {export} was exported from {folder}, which is no longer there (the trainer reads an "
+                         f"export's weights from its checkpoint); restore that checkpoint, or pass a run or checkpoint folder")
+    if hashlib.sha256((folder / MANIFEST).read_bytes()).hexdigest() != record["checkpoint_manifest_sha256"]:
+        raise TrainError(f"{where}: {folder} has changed since {export} was exported from it (its {MANIFEST} differs); "
+                         f"pass {record['source_run']}:{record['step']} if its present weights will do, or export again")
+    return folder
+
+# %% ../../nbs/07h_checkpointer.ipynb #fcec7875
+def _init_checkpoint(where: str, path: Path, step: int | None) -> Path:
+    "The verified checkpoint folder that `train.init_from` names."
+    if not path.is_dir():
+        raise TrainError(f"{where}: {path} does not exist; pass a run folder, RUN_DIR:STEP, a checkpoint folder or an "
+                         f"export folder (or '' for random weights)")
+    kind = ("export" if (path / "marin_export.json").is_file() else "run" if (path / "checkpoints").is_dir() else
+            "checkpoint" if (path / MANIFEST).is_file() or (path / "trainer.json").is_file() else None)
+    if kind is None:
+        raise TrainError(f"{where}: {path} is no run folder (no checkpoints/), no checkpoint (no {MANIFEST}) and no "
+                         f"export (no marin_export.json); pass one of them")
+    if step is not None and kind != "run":
+        raise TrainError(f"{where}: :{step} picks a checkpoint of a run folder, and {path} is a {kind} folder; drop ':{step}'")
+    if kind == "export": folder = _exported_checkpoint(where, path)
+    elif kind == "checkpoint": folder = path
+    else:
+        checkpoints = Checkpoints(path / "checkpoints")
+        if not checkpoints.steps():
+            raise TrainError(f"{where}: {checkpoints.root} holds no checkpoint; train that run first, or pass another")
+        if step is not None and step not in checkpoints.steps():
+            raise TrainError(f"{where}: {path} has no checkpoint of step {step}; its steps are {checkpoints.steps()}")
+        if step is None:
+            folder, skipped = checkpoints.latest()  # verified: no second pass over its files
+            for note in skipped: say(f"warning: {note}")
+            if folder is None:
+                raise TrainError(f"{where}: no checkpoint in {checkpoints.root} verifies ({len(skipped)} damaged); "
+                                 f"repair one, or pass another run")
+            return folder
+        folder = checkpoints.root / checkpoint_name(step)
+    if (problem := verify(folder)) is not None:
+        raise TrainError(f"{where}: {folder}: {problem}; pass a checkpoint that verifies")
+    return folder
+
+def initial_weights(spec: str, params: Params) -> dict[str, torch.Tensor]:
+    "The fp32 state dict of `Transformer(params.model)` that `train.init_from` = `spec` names, checked to be that model."
+    where = f"train.init_from {spec!r}"
+    try: path, step = split_init_from(spec)
+    except ValueError as e: raise TrainError(f"train.init_from {e}; write RUN_DIR:STEP with a whole step") from None
+    if not path: raise TrainError(f"{where}: means random weights, so there are no weights to read")
+    folder = _init_checkpoint(where, Path(path), step)
+    _same_model(where, folder, load_params(folder / "params.yaml").to_dict()["model"], params)
+    weights = _read_weights(folder)
+    say(f"init_from: a new run from the weights of {folder} (step 0, fresh optimizer)")
+    return weights

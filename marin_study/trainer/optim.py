@@ -7,10 +7,11 @@ import math
 from collections import deque
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 
 # %% auto #0
-__all__ = ['param_groups', 'BadStepsError', 'StepGuard', 'GuardedAdamW']
+__all__ = ['param_groups', 'BadStepsError', 'StepGuard', 'grad_norm', 'GuardedAdamW']
 
 # %% ../../nbs/07c_optim.ipynb #07b6b944
 def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
@@ -72,14 +73,27 @@ class StepGuard:
         for k, values in state["history"].items(): self.history[k].extend(values)
         self.accepted, self.bad_in_a_row, self.bad_total = state["accepted"], state["bad_in_a_row"], state["bad_total"]
 
+# %% ../../nbs/07c_optim.ipynb #4e8a1c70
+def grad_norm(params, expert_group=None) -> float:
+    """The global L2 norm of the gradients of `params`, each rank holding the averaged gradients. Under expert
+    parallelism a rank holds only its experts' (marked `allreduce = False`): their squares are summed over `expert_group`."""
+    params = [p for p in params if p.grad is not None]
+    norms = [torch.linalg.vector_norm(p.grad, dtype=torch.float32) for p in params if getattr(p, "allreduce", True)]
+    if expert_group is not None:
+        square = sum(torch.linalg.vector_norm(p.grad, dtype=torch.float32) ** 2 for p in params if not getattr(p, "allreduce", True))
+        dist.all_reduce(square, group=expert_group)
+        norms.append(square.sqrt())
+    return float(torch.linalg.vector_norm(torch.stack(norms)))
+
 # %% ../../nbs/07c_optim.ipynb #b575c254
 class GuardedAdamW(torch.optim.AdamW):
     """AdamW that clips by the global gradient norm of the whole step and skips the update when `guard` rejects it.
     DeepSpeed's ZeRO optimizers compute that norm over all ranks, then call `step` once per parameter group: point
-    `norm_source` at them. Without ZeRO every rank holds the full averaged gradients and the norm is taken here."""
+    `norm_source` at them. Without ZeRO every rank holds the full averaged gradients and the norm is taken here; under
+    expert parallelism a rank holds only its experts' (marked `allreduce = False`), summed over `expert_group`."""
     def __init__(self, params, guard: StepGuard, grad_clip: float = 0.0, **kw):
         super().__init__(params, **kw)
-        self.guard, self.grad_clip, self.norm_source = guard, grad_clip, None
+        self.guard, self.grad_clip, self.norm_source, self.expert_group = guard, grad_clip, None, None
         self.loss, self.decision, self.stop = math.nan, None, None
 
     def begin(self, loss: float) -> None:
@@ -89,9 +103,7 @@ class GuardedAdamW(torch.optim.AdamW):
     def _decide(self) -> tuple[float, str | None]:
         if self.decision is None:
             if self.norm_source is not None: norm = float(self.norm_source._global_grad_norm)
-            else:
-                grads = [p.grad for g in self.param_groups for p in g["params"] if p.grad is not None]
-                norm = float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g, dtype=torch.float32) for g in grads])))
+            else: norm = grad_norm([p for g in self.param_groups for p in g["params"]], self.expert_group)
             self.decision = (norm, self._judge(norm))
         return self.decision
 

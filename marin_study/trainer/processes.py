@@ -16,7 +16,8 @@ from ..layout import Layout, layout_refusals
 from .deepspeed import deepspeed_config
 
 # %% auto #0
-__all__ = ['TrainError', 'say', 'single_process_env', 'join_processes', 'make_accelerator']
+__all__ = ['TrainError', 'say', 'single_process_env', 'join_processes', 'expert_parallel_marker', 'split_experts',
+           'make_accelerator']
 
 # %% ../../nbs/07e_processes.ipynb #9b086827
 class TrainError(RuntimeError):
@@ -49,6 +50,36 @@ def join_processes(params: Params) -> tuple[int, int]:
         local = os.environ.get("LOCAL_WORLD_SIZE") or os.environ.get("LOCAL_SIZE") or 1  # torchrun, deepspeed
         torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // int(local)))
     return rank, world_size
+
+# %% ../../nbs/07e_processes.ipynb #f17a2b64
+def expert_parallel_marker(num_experts: int, ep: int, name: str):
+    "An empty DeepSpeed MoE layer: its presence switches on DeepSpeed's expert-parallel gradient handling."
+    from deepspeed.moe.layer import MoE as DeepSpeedMoE
+
+    class ExpertParallelMarker(DeepSpeedMoE):
+        def __init__(self):
+            torch.nn.Module.__init__(self)  # not DeepSpeedMoE's: it would build DeepSpeed's own experts and gate
+            self.num_experts, self.ep_size, self.expert_group_name = num_experts, ep, name
+            self.num_local_experts = 0  # DeepSpeed writes no expert files for it: the checkpointer saves ours
+        def set_deepspeed_parallelism(self, *args, **kwargs): pass  # the groups exist already
+        def forward(self, *args): raise RuntimeError("ExpertParallelMarker only marks the model for DeepSpeed")
+
+    return ExpertParallelMarker()
+
+
+def split_experts(model, ep: int) -> dict[str, object]:
+    """Expert parallelism on `ep` ranks: DeepSpeed's expert-parallel groups, this rank's share of each MoE layer's
+    experts, their parameters marked for DeepSpeed. Returns {'name', 'group', 'rank'} of the expert-parallel group."""
+    import torch.distributed as dist
+    from deepspeed.utils import groups
+    name = f"ep_size_{ep}"
+    if name not in groups._get_expert_parallel_group_dict(): groups._create_expert_and_data_parallel(ep)
+    group = groups._get_expert_parallel_group(name)
+    model.shard_experts(group)
+    for moe in model.moe_layers():
+        for p in moe.experts.parameters(): p.allreduce, p.group_name = False, name
+    model.expert_parallel_marker = expert_parallel_marker(model.cfg.n_experts, ep, name)
+    return {"name": name, "group": group, "rank": dist.get_rank(group)}
 
 # %% ../../nbs/07e_processes.ipynb #6f8847ac
 def make_accelerator(params: Params, world_size: int):

@@ -14,15 +14,15 @@ import torch.distributed as dist
 
 from ..config import Params, dump_params
 from ..data.mixture import make_loader
-from ..model import Transformer
+from ..model import Transformer, use_recompute
 from .callbacks import Callback, MemoryCensus, Progress, SignalStop, TensorBoard
-from .checkpointer import Checkpointer
+from .checkpointer import Checkpointer, initial_weights
 from .evaluation import HeldOut
 from .metrics import (
     AUX_LOSS, BAD_STEPS, EVAL_LOSS, GRAD_NORM, LOGIT_Z_LOSS, LOSS, LR, MOE_BIAS_NORM, MOE_MAX_LOAD, MOE_MIN_LOAD,
-    ROUTER_Z_LOSS, SKIP_REASON, SKIPPED, STEP, TOKENS, MetricsLog, Throughput)
+    ROUTER_Z_LOSS, SKIP_REASON, SKIPPED, STEP, TOKENS, MetricsLog, Throughput, router_health)
 from .optim import GuardedAdamW, StepGuard, param_groups
-from .processes import join_processes, make_accelerator
+from .processes import join_processes, make_accelerator, say, split_experts
 from .schedule import lr_at
 from ..utils import atomic_write
 
@@ -30,17 +30,24 @@ from ..utils import atomic_write
 __all__ = ['build_engine', 'Trainer', 'train']
 
 # %% ../../nbs/07j_train.ipynb #b66e89e9
-def build_engine(params: Params, accelerator) -> tuple[object, GuardedAdamW, StepGuard]:
-    "The seeded model and its guarded AdamW, handed to DeepSpeed: (engine, optimizer, guard)."
-    t = params.train
+def build_engine(params: Params, accelerator, resuming: bool = False) -> tuple[object, GuardedAdamW, StepGuard]:
+    """The seeded model (or `train.init_from`'s weights, unless `resuming`) and its guarded AdamW, handed to DeepSpeed:
+    (engine, optimizer, guard)."""
+    t, parallel = params.train, params.parallel
     torch.manual_seed(t.seed)
-    model = Transformer(params.model)
+    model = use_recompute(Transformer(params.model), parallel.activation_checkpointing)
+    if t.init_from and not resuming: model.load_state_dict(initial_weights(t.init_from, params))
+    if parallel.ep > 1:  # every rank builds the whole seeded model, then keeps its share: the same init as ep = 1
+        from deepspeed.moe.utils import split_params_into_different_moe_groups_for_optimizer
+        expert_group = split_experts(model, parallel.ep)["group"]
+        groups = split_params_into_different_moe_groups_for_optimizer(param_groups(model, t.weight_decay))
+    else: groups = param_groups(model, t.weight_decay)
     guard = StepGuard(t.spike_window, t.spike_sigmas, t.max_bad_steps, t.spike_warmup)
-    optimizer = GuardedAdamW(param_groups(model, t.weight_decay), guard, t.grad_clip, lr=lr_at(0, t),
-                             betas=(t.beta1, t.beta2), eps=t.eps)
+    optimizer = GuardedAdamW(groups, guard, t.grad_clip, lr=lr_at(0, t), betas=(t.beta1, t.beta2), eps=t.eps)
+    if parallel.ep > 1: optimizer.expert_group = expert_group
     engine, _ = accelerator.prepare(model, optimizer)
-    if params.parallel.zero_stage > 0: optimizer.norm_source = engine.optimizer
-    if params.parallel.zero_stage == 3:
+    if parallel.zero_stage > 0: optimizer.norm_source = engine.optimizer
+    if parallel.zero_stage == 3:
         from deepspeed.runtime.zero import register_external_parameter
         for module, weight in engine.module.borrowed_parameters(): register_external_parameter(module, weight)
     return engine, optimizer, guard
@@ -62,7 +69,8 @@ class Trainer:
         resume = self.checkpointer.find()
         plugin.deepspeed_config["checkpoint"]["load_universal"] = resume is not None and resume.convert
         self.autocast = torch.autocast(self.device.type, dtype=torch.bfloat16) if t.dtype == "bfloat16" else nullcontext()
-        self.engine, self.optimizer, self.guard = build_engine(params, self.accelerator)
+        if resume is not None and t.init_from: say(f"resuming {self.run_dir}: train.init_from applies to a new run only")
+        self.engine, self.optimizer, self.guard = build_engine(params, self.accelerator, resuming=resume is not None)
         self.step = self.checkpointer.restore(resume, self.engine, self.guard)
         self.loader = make_loader(params, self.rank, self.world_size, start_step=self.step)
         self.heldout = HeldOut(params, t.eval_samples, self.rank, self.world_size)
@@ -103,6 +111,7 @@ class Trainer:
             if load_LE is not None:
                 ratio_LE = load_LE.double() / load_LE.double().mean(dim=1, keepdim=True)
                 record.update({MOE_MAX_LOAD: float(ratio_LE.max()), MOE_MIN_LOAD: float(ratio_LE.min())})
+                record.update(router_health(load_LE, torch.stack([m.balance_bias for m in model.moe_layers()])))
         if reason is not None: record.update({SKIPPED: True, SKIP_REASON: reason})
         record[BAD_STEPS] = self.guard.bad_total
         return record
