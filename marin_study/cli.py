@@ -131,8 +131,13 @@ def _plan(args) -> None:
         raise PlanError(f"{args.params}: launch runs on CPU; name a GPU and a count to plan for, e.g. --gpu h100 --gpus 64")
     result = plan(p, gpu, gpus, mfu=args.mfu, precision=args.precision, accounting=args.accounting, tokens=args.tokens)
     if args.write_configs:
-        if result.best is None: raise PlanError("no layout fits, so there are no configs to write")
-        written = write_launch_configs(with_layout(p, result.best.layout, result.device), args.write_configs)
+        if (chosen := result.trainable) is None:
+            raise PlanError("no layout that the trainer runs fits (tensor and pipeline parallelism are the planner's "
+                            "only), so there are no configs to write")
+        if chosen is not result.best:
+            print(f"note: the fastest layout ({result.best.layout}) uses parallelism the trainer does not run; the configs "
+                  f"are for the fastest one it runs ({chosen.layout})", file=sys.stderr)
+        written = write_launch_configs(with_layout(p, chosen.layout, result.device), args.write_configs)
     if args.json: print(json.dumps(result.to_json(), indent=1))
     else:
         print(result.explain(args.top))

@@ -14,7 +14,7 @@ import yaml
 from .accounting import flops_per_token, mean_keys_per_query, param_breakdown, param_counts
 from .config import ModelConfig, Params, save_params
 from .hardware import GB, HARDWARE, Device, device
-from .layout import Layout
+from .layout import Layout, layout_refusals
 from .trainer.deepspeed import (Accounting, Precision, accelerate_config, bucket_elements, deepspeed_config,
                                            model_state_memory, shard_params)
 from .utils import atomic_write
@@ -273,6 +273,13 @@ class Plan:
     @property
     def best(self) -> Candidate | None:
         return self.candidates[0] if self.candidates and self.candidates[0].fits else None
+
+    @property
+    def trainable(self) -> Candidate | None:
+        "The fastest fitting candidate that this kit's trainer runs (no tensor or pipeline parallelism)."
+        t, world = self.params.train, lambda c: c.layout.world
+        return next((c for c in self.candidates if c.fits and not layout_refusals(
+            self.params.model, c.layout, t.global_batch, world(c), trainer=True)), None)
 
     def seconds_per_step(self, c: Candidate) -> float:
         "The step time of a candidate: from the given MFU when there is one, else modeled."

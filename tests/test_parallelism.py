@@ -285,3 +285,17 @@ def test_serving_commands_carry_the_layout_and_only_honest_quantization_flags():
 def test_serving_inputs_that_cannot_be_sized_are_refused_by_name(asked, refusal):
     with pytest.raises(PlanError, match=re.escape(refusal)):
         inference_plan(PARAMS["marin-535b-a23b"], **{"gpu": "h100", **asked})
+
+
+def test_the_configs_written_are_for_the_fastest_layout_the_trainer_runs(tmp_path):
+    from marin_study.layout import layout_refusals
+    marin = load_params(ROOT / "params/marin-535b-a23b.yaml")
+    result = plan(marin, "gb200", 704)
+    assert result.best.layout.pp > 1  # the planner's fastest pipelines the layers, which the trainer refuses
+    chosen = result.trainable
+    assert chosen.fits and chosen.layout.tp == chosen.layout.pp == 1 and chosen.layout.ep > 1
+    assert not layout_refusals(marin.model, chosen.layout, marin.train.global_batch, chosen.layout.world, trainer=True)
+    written = run([BIN / "marin-study", "plan", "params/marin-535b-a23b.yaml", "--gpu", "gb200", "--gpus", "704",
+                   "--write-configs", str(tmp_path)])
+    assert "uses parallelism the trainer does not run" in written.stderr
+    assert load_params(tmp_path / "params.yaml").parallel.ep == chosen.layout.ep
