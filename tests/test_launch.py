@@ -58,7 +58,9 @@ def test_dry_run_prints_a_valid_script_and_writes_nothing(tmp_path):
     big = marin("launch", "slurm", "params/marin-535b-a23b.yaml", "--dry-run", "--launcher", "torchrun")
     assert "#SBATCH --nodes=176" in big.stdout and "#SBATCH --gpus-per-node=4" in big.stdout
     assert "torchrun --nnodes 176 --node_rank \\$SLURM_NODEID --nproc_per_node 4" in big.stdout
-    assert "warning" in big.stderr and "ZeRO only" in big.stderr
+    assert "warning" not in big.stderr, big.stderr  # the trainer runs its expert parallelism, ZeRO 1 and full recompute
+    pp = marin("launch", "slurm", "params/node.yaml", "--dry-run", "--set", "parallel.pp=2", "--set", "parallel.ep=4")
+    assert "warning" in pp.stderr and "the trainer runs data and expert parallelism only" in pp.stderr
 
 
 def test_bad_input_is_refused_before_anything_is_submitted(slurm, launch_params, tmp_path):
@@ -71,8 +73,8 @@ def test_bad_input_is_refused_before_anything_is_submitted(slurm, launch_params,
     assert "run one process per GPU" in launch("launch.gpus_per_node=4")   # more GPUs than processes use
     assert "cannot be split into micro-batches" in launch("launch.procs_per_node=3")  # more than the batch splits over
     assert "launch.partition 'gpu-a100' does not exist; this cluster has debug" in launch("launch.partition=gpu-a100")
-    assert "runs data parallel with ZeRO only" in launch("parallel.ep=2")
-    assert "keeps every activation" in launch("parallel.activation_checkpointing=full")
+    assert "the trainer runs data and expert parallelism only" in launch("parallel.pp=2")
+    assert "AutoEP" in launch("parallel.ep=2", "parallel.zero_stage=3")  # expert parallelism wants ZeRO 0-2
     assert "sbatch is not on PATH" in launch(env={"PATH": str(BIN)})
     notebook = nbformat.read(ROOT / "nbs/studies/train_tiny.ipynb", as_version=4)
     for cell in notebook.cells: cell.metadata.pop("tags", None)
