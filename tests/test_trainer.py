@@ -326,7 +326,8 @@ def test_expert_parallel_resumes_bit_exact_and_another_layout_starts_from_its_we
 
     refused = run(command("alone", params_file, run_dir, f"train.steps={EP_STEPS + 2}"), check=False)
     assert refused.returncode == 2 and "resumes on its own layout only" in refused.stderr
-    assert f"train.init_from={run_dir}:{EP_STEPS}" in refused.stderr and "Traceback" not in refused.stderr
+    assert f"--run-dir NEW_DIR --set train.init_from={run_dir}:{EP_STEPS}" in refused.stderr
+    assert "Traceback" not in refused.stderr
     # the weights put back together: the ep 1 run's, up to the order of fp32 sums, which Adam's step turns into up to
     # ~3e-5 on the embeddings of rarely seen tokens (their gradients are tiny, so their order matters)
     joined, whole = load_weights(two / "checkpoints/step-00000020"), load_weights(one / "checkpoints/step-00000020")

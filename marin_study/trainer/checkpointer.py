@@ -110,9 +110,12 @@ def restore_expert_share(module: torch.nn.Module, folder: Path) -> None:
         for key, weight in weights.items(): weight.copy_(saved[key])
 
 
-def joined_experts(folder: Path, module_state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    "The whole model's state from rank 0's model states and every expert-parallel share saved in `folder`."
-    shares = [torch.load(path, map_location="cpu") for path in sorted(folder.glob("experts-*-of-*.pt"))]
+def joined_experts(folder: Path, module_state: dict[str, torch.Tensor], ep: int) -> dict[str, torch.Tensor]:
+    "The whole model's state from rank 0's model states and the `ep` expert-parallel shares saved in `folder`."
+    paths = [folder / f"experts-{r:03d}-of-{ep:03d}.pt" for r in range(ep)] if ep > 1 else []
+    if missing := [p.name for p in paths if not p.is_file()]:
+        raise TrainError(f"{folder}: the expert-parallel shares {', '.join(missing)} are missing; the checkpoint is incomplete")
+    shares = [torch.load(path, map_location="cpu") for path in paths]
     return {**module_state, **{key: torch.cat([share[key] for share in shares]) for key in (shares[0] if shares else {})}}
 
 # %% ../../nbs/07h_checkpointer.ipynb #acbd8123
@@ -152,12 +155,13 @@ class Checkpointer:
             raise TrainError(f"{folder} was saved with parallel.zero_stage {state['zero_stage']}; resume it with the same "
                              f"stage (stages 1-3 convert between each other through a universal checkpoint)")
         saved_ep, ep = state.get("ep", 1), self.params.parallel.ep
-        if max(saved_ep, ep) > 1 and (saved_ep, state["world_size"]) != (ep, self.world_size):
-            raise TrainError(f"{folder} was saved with parallel.ep {saved_ep} on {state['world_size']} processes; a run "
-                             f"with expert parallelism resumes on its own layout only (DeepSpeed's universal conversion "
-                             f"reassembles only its AutoEP layers' experts): resume with parallel.ep={saved_ep} on "
-                             f"{state['world_size']} processes, or start a new run from its weights on any layout with "
-                             f"--set train.init_from={self.run_dir}:{state['step']}")
+        saved = (saved_ep, state["world_size"], state["zero_stage"])
+        if max(saved_ep, ep) > 1 and saved != (ep, self.world_size, stage):
+            raise TrainError(f"{folder} was saved with parallel.ep {saved_ep} on {state['world_size']} processes at ZeRO "
+                             f"{state['zero_stage']}; a run with expert parallelism resumes on its own layout only "
+                             f"(DeepSpeed's universal conversion reassembles only its AutoEP layers' experts): resume with "
+                             f"those settings, or train from its weights on any layout in a new run folder: "
+                             f"--run-dir NEW_DIR --set train.init_from={self.run_dir}:{state['step']}")
         return Resume(folder, state, stage > 0 and (state["world_size"], state["zero_stage"]) != (self.world_size, stage))
 
     def restore(self, resume: Resume | None, engine, guard: StepGuard) -> int:
@@ -220,7 +224,7 @@ def _read_weights(folder: Path) -> dict[str, torch.Tensor]:
             state = json.loads((folder / "trainer.json").read_text())
             if state["zero_stage"] == 0 or state.get("ep", 1) > 1:  # the fp32 weights as rank 0 held them, whole experts
                 module = torch.load(folder / "deepspeed/mp_rank_00_model_states.pt", map_location="cpu")["module"]
-                return joined_experts(folder, module)
+                return joined_experts(folder, module, state.get("ep", 1))
             from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
             return get_fp32_state_dict_from_zero_checkpoint(str(folder), tag="deepspeed")
     except UnsafeCheckpoint as e: raise TrainError(str(e)) from None

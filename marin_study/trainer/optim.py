@@ -80,7 +80,8 @@ def grad_norm(params, expert_group=None) -> float:
     params = [p for p in params if p.grad is not None]
     norms = [torch.linalg.vector_norm(p.grad, dtype=torch.float32) for p in params if getattr(p, "allreduce", True)]
     if expert_group is not None:
-        square = sum(torch.linalg.vector_norm(p.grad, dtype=torch.float32) ** 2 for p in params if not getattr(p, "allreduce", True))
+        square = sum((torch.linalg.vector_norm(p.grad, dtype=torch.float32) ** 2 for p in params
+                      if not getattr(p, "allreduce", True)), torch.zeros(()))  # a tensor even with no expert here
         dist.all_reduce(square, group=expert_group)
         norms.append(square.sqrt())
     return float(torch.linalg.vector_norm(torch.stack(norms)))
