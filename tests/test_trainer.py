@@ -282,27 +282,34 @@ def test_parallelism_the_trainer_does_not_run_is_refused_not_ignored(settings, s
 EP_STEPS = 20
 
 
+def ep_settings(ep: int) -> tuple[str, ...]:
+    return (f"parallel.ep={ep}", "parallel.zero_stage=1", f"train.steps={EP_STEPS}", "train.checkpoint_every=10",
+            "train.eval_every=0")
+
+
 @pytest.fixture(scope="session")
 def expert_parallel(params_file, tmp_path_factory):
-    "20-step 2-process runs at parallel.ep 1 and 2 (ZeRO 0), made once."
+    "20-step 2-process runs at parallel.ep 1 and 2 (ZeRO 1, the 535B layout's stage), made once."
     runs = {}
     def get(ep: int) -> Path:
         if ep not in runs:
             runs[ep] = tmp_path_factory.mktemp(f"ep{ep}")
-            run(command("torchrun", params_file, runs[ep], f"parallel.ep={ep}", f"train.steps={EP_STEPS}",
-                        "train.checkpoint_every=10", "train.eval_every=0"))
+            run(command("torchrun", params_file, runs[ep], *ep_settings(ep)))
         return runs[ep]
     return get
 
 
-def test_expert_parallel_trains_the_same_model_as_one_expert_group(expert_parallel):
+def test_expert_parallel_trains_the_same_model_as_one_expert_group(expert_parallel, params_file, tmp_path):
     one, two = expert_parallel(1), expert_parallel(2)
     assert [r["step"] for r in MetricsLog(two / "metrics.jsonl").read()] == list(range(1, EP_STEPS + 1))
     # fp32, the same sums in another order (each rank's rows meet an expert in their own grouped matmul): 1e-5
     for key in ("loss", "grad_norm", "moe/max_load", "moe/bias_norm", "moe/layer0/entropy"):
         assert losses(two, key) == pytest.approx(losses(one, key), rel=1e-5), key
     assert losses(two)[-1] < losses(two)[0] - 0.5
-    report = json.loads((two / "memory.json").read_text())
+    # memory at ZeRO 0, where every rank holds whole gradients as the planner counts them (ZeRO 1-2 reduce them in
+    # buckets that leave the two ranks 16.3 and 11.5 MB apart)
+    run(command("torchrun", params_file, tmp_path, "parallel.ep=2", until=2))
+    report = json.loads((tmp_path / "memory.json").read_text())
     assert report["layout"].startswith("tp1 pp1 ep2 dp2 zero0")
     one_rank = json.loads((one / "memory.json").read_text())["ranks"][0]
     for held in report["ranks"]:  # each rank holds half of the experts' weights, gradients and Adam moments
@@ -317,15 +324,14 @@ def test_expert_parallel_resumes_bit_exact_and_another_layout_starts_from_its_we
     one, two, run_dir = expert_parallel(1), expert_parallel(2), tmp_path / "run"
     shutil.copytree(two, run_dir)
     shutil.rmtree(run_dir / f"checkpoints/step-{EP_STEPS:08d}")
-    sets = ("parallel.ep=2", f"train.steps={EP_STEPS}", "train.checkpoint_every=10", "train.eval_every=0")
-    result = run(command("torchrun", params_file, run_dir, *sets))
+    result = run(command("torchrun", params_file, run_dir, *ep_settings(2)))
     assert "resumed from" in result.stderr and "step-00000010" in result.stderr
     check_same_run(run_dir, two, "resumed at step 10 with ep 2", steps=EP_STEPS)
     assert sorted(p.name for p in (run_dir / "checkpoints/step-00000020").glob("experts-*")) == \
         ["experts-000-of-002.pt", "experts-001-of-002.pt"]
 
-    refused = run(command("alone", params_file, run_dir, f"train.steps={EP_STEPS + 2}"), check=False)
-    assert refused.returncode == 2 and "resumes on its own layout only" in refused.stderr
+    refused = run(command("alone", params_file, run_dir, f"train.steps={EP_STEPS + 2}"), check=False)  # at ZeRO 0
+    assert refused.returncode == 2 and "needs ZeRO 1-3 on both sides" in refused.stderr
     assert f"--run-dir NEW_DIR --set train.init_from={run_dir}:{EP_STEPS}" in refused.stderr
     assert "Traceback" not in refused.stderr
     # the weights put back together: the ep 1 run's, up to the order of fp32 sums, which Adam's step turns into up to
@@ -336,6 +342,25 @@ def test_expert_parallel_resumes_bit_exact_and_another_layout_starts_from_its_we
     new = tmp_path / "new"
     run(command("alone", params_file, new, f"train.init_from={run_dir}:{EP_STEPS}", until=1))
     assert losses(new)[0] < losses(two)[0] - 0.5  # the trained weights, on one process without expert parallelism
+
+
+def test_expert_parallel_checkpoints_resume_on_another_layout_through_a_universal_checkpoint(expert_parallel,
+                                                                                              params_file, tmp_path):
+    # ep 2 on two processes to ep 1 on one, and ep 1 to ep 2: each run goes on as the one trained at the new layout from
+    # the start, up to the order of fp32 sums (1e-4, as for two processes resumed on one without experts: one process
+    # adds its two micro-batches where two processes all-reduce them)
+    for saved, now, launcher in ((2, 1, "alone"), (1, 2, "torchrun")):
+        run_dir = tmp_path / f"ep{saved}-to-ep{now}"
+        shutil.copytree(expert_parallel(saved), run_dir)
+        shutil.rmtree(run_dir / f"checkpoints/step-{EP_STEPS:08d}")
+        result = run(command(launcher, params_file, run_dir, *ep_settings(now)))
+        assert f"ZeRO 1, ep {saved}) to a universal checkpoint" in result.stderr and "step-00000010" in result.stderr
+        assert [r["step"] for r in MetricsLog(run_dir / "metrics.jsonl").read()] == list(range(1, EP_STEPS + 1))
+        for key in ("loss", "moe/bias_norm", "moe/layer0/entropy"):
+            assert losses(run_dir, key)[10:] == pytest.approx(losses(expert_parallel(now), key)[10:], rel=1e-4), key
+        # its first step used the very weights the source run saved: only the order of the forward's sums differs
+        assert losses(run_dir)[10] == pytest.approx(losses(expert_parallel(saved))[10], rel=1e-6)
+        assert not list((run_dir / "checkpoints").glob(".universal-*"))  # the converted copy is gone
 
 
 def test_expert_parallel_gradients_equal_one_process_holding_every_expert(params_file):

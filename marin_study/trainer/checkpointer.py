@@ -8,17 +8,19 @@ import hashlib
 import json
 import os
 import random
+import re
 import shutil
 import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterator
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
+from ..model import Experts
 from ..config import Params, dump_params, load_params, split_init_from
 from .checkpoint import MANIFEST, Checkpoints, UnsafeCheckpoint, checkpoint_name, safe_loading, verify
 from .metrics import MetricsLog
@@ -27,9 +29,9 @@ from .processes import TrainError, say
 from ..utils import atomic_write
 
 # %% auto #0
-__all__ = ['check_same_experiment', 'newest_valid', 'rng_state', 'set_rng_state', 'to_universal', 'restore_buffers',
-           'expert_share', 'restore_expert_share', 'joined_experts', 'Resume', 'Checkpointer', 'load_weights',
-           'initial_weights']
+__all__ = ['ROUTED_EXPERTS', 'check_same_experiment', 'newest_valid', 'rng_state', 'set_rng_state', 'whole_parameters',
+           'join_expert_parallel', 'to_universal', 'restore_buffers', 'expert_share', 'restore_expert_share',
+           'joined_experts', 'Resume', 'Checkpointer', 'load_weights', 'initial_weights']
 
 # %% ../../nbs/07h_checkpointer.ipynb #7a6fe700
 def check_same_experiment(run_dir: str | os.PathLike, params: Params) -> None:
@@ -71,22 +73,84 @@ def set_rng_state(state: dict) -> None:
     torch.set_rng_state(state["torch"])
     if state["cuda"] and torch.cuda.is_available(): torch.cuda.set_rng_state_all(state["cuda"])
 
+# %% ../../nbs/07h_checkpointer.ipynb #b41d6f28
+ROUTED_EXPERTS = tuple(f".experts.{name}" for name, _ in Experts(1, 1, 1).named_parameters())
 
-def to_universal(folder: Path, out: Path) -> None:
-    "Convert the DeepSpeed shards of checkpoint `folder` into a universal checkpoint in `out`, for any world size."
-    with safe_loading():  # DeepSpeed's converter unpickles in its own process: every file is read weights-only first
-        for path in sorted((folder / "deepspeed").glob("*.pt")): torch.load(path, map_location="cpu")
-    shutil.rmtree(out, ignore_errors=True)
+def _universal_entry(name: str, whole: torch.Tensor) -> dict:
+    "One state of parameter `name` for the universal loader: routed experts are marked, so that each ep rank keeps its own."
+    from deepspeed.checkpoint.constants import EP_IS_EXPERT_PARAM, EP_NUM_EXPERTS, PARAM
+    return {PARAM: whole, EP_IS_EXPERT_PARAM: True, EP_NUM_EXPERTS: len(whole)} if name.endswith(ROUTED_EXPERTS) else {PARAM: whole}
+
+
+def _joined_fragments(shards: list[dict], group: int, name: str, key: str, ranks: range) -> torch.Tensor:
+    "State `key` of parameter `name` in optimizer group `group`: its ZeRO fragments on `ranks`, in order, flat."
+    parts = []
+    for r in ranks:
+        if (where := shards[r]["param_slice_mappings"][group].get(name)) is None: continue  # none of it on rank r
+        flat = (shards[r]["single_partition_of_fp32_groups"][group] if key == "fp32"
+                else shards[r]["base_optimizer_state"]["state"][group][key])
+        parts.append(flat.narrow(0, where.start, where.numel))
+    return torch.cat(parts)
+
+
+def whole_parameters(source: Path, ep: int, keys: tuple[str, ...]) -> Iterator[tuple[str, dict]]:
+    "Each parameter of the ZeRO 1-2 checkpoint in DeepSpeed folder `source` (`ep`-way experts): name, whole `keys` states."
+    rank_of = lambda path: int(re.search(r"zero_pp_rank_(\d+)_", path.name)[1])
+    files = sorted(source.glob("*zero_pp_rank_*_optim_states.pt"), key=rank_of)
+    shards = [torch.load(path, map_location="cpu", mmap=True)["optimizer_state_dict"] for path in files]
+    shapes = torch.load(source / "mp_rank_00_model_states.pt", map_location="cpu", mmap=True)["param_shapes"]
+    for g, group in enumerate(shards[0]["base_optimizer_state"]["param_groups"]):
+        blocks = [range(e, len(shards), ep) for e in range(ep)] if group.get("moe") else [range(len(shards))]
+        for name, shape in shapes[g].items():
+            yield name, {key: shards[0]["base_optimizer_state"]["state"][g][key] if key == "step" else
+                         torch.cat([_joined_fragments(shards, g, name, key, ranks).view(shape) for ranks in blocks])
+                         for key in keys}
+
+
+def join_expert_parallel(source: Path, out: Path, ep: int) -> None:
+    "The universal checkpoint in `out` of DeepSpeed checkpoint folder `source`, written at ZeRO 1-2 with `ep`-way experts."
+    for name, states in whole_parameters(source, ep, ("fp32", "exp_avg", "exp_avg_sq", "step")):
+        (out / "zero" / name).mkdir(parents=True)
+        for key, value in states.items():
+            torch.save(value if key == "step" else _universal_entry(name, value), out / "zero" / name / f"{key}.pt")
+    rank_0 = torch.load(next(source.glob("*zero_pp_rank_0_*optim_states.pt")), map_location="cpu", mmap=True)["optimizer_state_dict"]
+    sharded = ("base_optimizer_state", "single_partition_of_fp32_groups", "param_slice_mappings")
+    common = {k: v for k, v in rank_0.items() if k not in sharded}
+    torch.save({**common, "param_groups": rank_0["base_optimizer_state"]["param_groups"]}, out / "zero/optimizer_state.pt")
+    shutil.copy2(source / "mp_rank_00_model_states.pt", out)
+
+# %% ../../nbs/07h_checkpointer.ipynb #d63f9b4a
+def _ds_to_universal(folder: Path, target: Path) -> None:
+    "DeepSpeed's `ds_to_universal` of checkpoint `folder` (without expert parallelism) into `target`, routed experts marked."
+    source = folder / "deepspeed"
+    # DeepSpeed's converter unpickles in a process of its own: every file is read weights-only here first
+    for path in sorted(source.glob("*.pt")): torch.load(path, map_location="cpu")
     done = subprocess.run([sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder",
-                           str(folder / "deepspeed"), "--output_folder", str(out / "deepspeed"),
-                           "--inject_missing_state", "--num_extract_workers", "1", "--num_merge_workers", "1"],
-                          capture_output=True, text=True)
+                           str(source), "--output_folder", str(target), "--inject_missing_state",
+                           "--num_extract_workers", "1", "--num_merge_workers", "1"], capture_output=True, text=True)
     if done.returncode: raise TrainError(f"converting {folder} to a universal checkpoint failed:\n{done.stderr[-2000:]}")
+    for param in (p for p in (target / "zero").iterdir() if p.name.endswith(ROUTED_EXPERTS)):
+        for key in ("fp32", "exp_avg", "exp_avg_sq"):
+            torch.save(_universal_entry(param.name, torch.load(param / f"{key}.pt")["param"]), param / f"{key}.pt")
+
+
+def to_universal(folder: Path, out: Path, param_groups: list[dict]) -> None:
+    """Write checkpoint `folder` (ZeRO 1-3) as a universal checkpoint in `out`, which DeepSpeed loads on any layout
+    whose optimizer has `param_groups` (their settings without the parameters)."""
+    shutil.rmtree(out, ignore_errors=True)
+    with safe_loading():
+        if (ep := json.loads((folder / "trainer.json").read_text()).get("ep", 1)) > 1:
+            join_expert_parallel(folder / "deepspeed", out / "deepspeed", ep)
+        else: _ds_to_universal(folder, out / "deepspeed")
+        # DeepSpeed's loader walks the saved groups beside its own and stops at the shorter list, so a group that
+        # expert parallelism adds must be there: the new layout's groups go in, with their own settings
+        common = out / "deepspeed/zero/optimizer_state.pt"
+        torch.save({**torch.load(common), "param_groups": param_groups}, common)
 
 
 def restore_buffers(module: torch.nn.Module, folder: Path) -> None:
     "Copy the buffers (balancing biases) saved in checkpoint `folder` into `module`: a universal checkpoint has none."
-    with safe_loading(): saved = torch.load(sorted((folder / "deepspeed").glob("*model_states.pt"))[0], map_location="cpu")["module"]
+    with safe_loading(): saved = torch.load(folder / "deepspeed/mp_rank_00_model_states.pt", map_location="cpu")["module"]
     with torch.no_grad():
         for name, buffer in module.named_buffers():
             if name in saved: buffer.copy_(saved[name])
@@ -150,19 +214,15 @@ class Checkpointer:
         if dist.is_initialized(): dist.broadcast_object_list(found, src=0)
         if found[2]: raise TrainError(found[2])
         if found[0] is None: return None
-        folder, state, stage = Path(found[0]), found[1], self.params.parallel.zero_stage
-        if state["zero_stage"] != stage and 0 in (state["zero_stage"], stage):
-            raise TrainError(f"{folder} was saved with parallel.zero_stage {state['zero_stage']}; resume it with the same "
-                             f"stage (stages 1-3 convert between each other through a universal checkpoint)")
-        saved_ep, ep = state.get("ep", 1), self.params.parallel.ep
-        saved = (saved_ep, state["world_size"], state["zero_stage"])
-        if max(saved_ep, ep) > 1 and saved != (ep, self.world_size, stage):
-            raise TrainError(f"{folder} was saved with parallel.ep {saved_ep} on {state['world_size']} processes at ZeRO "
-                             f"{state['zero_stage']}; a run with expert parallelism resumes on its own layout only "
-                             f"(DeepSpeed's universal conversion reassembles only its AutoEP layers' experts): resume with "
-                             f"those settings, or train from its weights on any layout in a new run folder: "
+        folder, state, p = Path(found[0]), found[1], self.params.parallel
+        saved, now = (state.get("ep", 1), state["world_size"], state["zero_stage"]), (p.ep, self.world_size, p.zero_stage)
+        # ZeRO 0 keeps whole replicas, which load on any number of processes, but only as long as the experts stay put
+        if saved != now and 0 in (saved[2], now[2]) and (saved[2] != now[2] or max(saved[0], now[0]) > 1):
+            raise TrainError(f"{folder} was saved with parallel.ep {saved[0]} on {saved[1]} processes at ZeRO {saved[2]}; "
+                             f"a universal checkpoint, which changes the layout, needs ZeRO 1-3 on both sides: resume "
+                             f"with those settings, or train from its weights on any layout in a new run folder: "
                              f"--run-dir NEW_DIR --set train.init_from={self.run_dir}:{state['step']}")
-        return Resume(folder, state, stage > 0 and (state["world_size"], state["zero_stage"]) != (self.world_size, stage))
+        return Resume(folder, state, saved != now and now[2] > 0)
 
     def restore(self, resume: Resume | None, engine, guard: StepGuard) -> int:
         "Load `resume` into the engine, this rank's RNG and the guard; cut the metrics back to it. Returns its step."
@@ -174,15 +234,16 @@ class Checkpointer:
             if resume.convert:
                 load_dir = self.checkpoints.root / f".universal-{folder.name}"
                 if self.rank == 0:
-                    say(f"converting {folder} ({state['world_size']} processes, ZeRO {state['zero_stage']}) to a "
-                        f"universal checkpoint for {self.world_size} processes")
-                    to_universal(folder, load_dir)
+                    say(f"converting {folder} ({state['world_size']} processes, ZeRO {state['zero_stage']}, ep "
+                        f"{state.get('ep', 1)}) to a universal checkpoint for {self.world_size} processes")
+                    to_universal(folder, load_dir, [{k: v for k, v in g.items() if k != "params"}
+                                                    for g in engine.optimizer.param_groups])
                 self.barrier()
             with safe_loading():
                 loaded, _ = engine.load_checkpoint(str(load_dir), tag="deepspeed", load_lr_scheduler_states=False)
                 if loaded is None: raise TrainError(f"DeepSpeed could not load the checkpoint in {load_dir}")
                 if resume.convert: restore_buffers(engine.module, folder)
-                if self.params.parallel.ep > 1: restore_expert_share(engine.module, folder)
+                elif self.params.parallel.ep > 1: restore_expert_share(engine.module, folder)
                 self.barrier()
                 if resume.convert and self.rank == 0: shutil.rmtree(load_dir)
                 if (rng := folder / f"rng-{self.rank}.pt").exists(): set_rng_state(torch.load(rng))
@@ -221,10 +282,14 @@ def _read_weights(folder: Path) -> dict[str, torch.Tensor]:
     "The fp32 weights and buffers of checkpoint `folder`, which the caller has verified."
     try:
         with safe_loading():
-            state = json.loads((folder / "trainer.json").read_text())
-            if state["zero_stage"] == 0 or state.get("ep", 1) > 1:  # the fp32 weights as rank 0 held them, whole experts
-                module = torch.load(folder / "deepspeed/mp_rank_00_model_states.pt", map_location="cpu")["module"]
+            state, source = json.loads((folder / "trainer.json").read_text()), folder / "deepspeed"
+            if state["zero_stage"] == 0:  # the fp32 weights as rank 0 held them, with the experts of every ep rank
+                module = torch.load(source / "mp_rank_00_model_states.pt", map_location="cpu")["module"]
                 return joined_experts(folder, module, state.get("ep", 1))
+            if state.get("ep", 1) > 1:  # the optimizer's fp32 weights (the model's may be bf16), and the buffers
+                model = torch.load(source / "mp_rank_00_model_states.pt", map_location="cpu")
+                weights = {name: s["fp32"] for name, s in whole_parameters(source, state["ep"], ("fp32",))}
+                return {**weights, **{name: model["module"][name] for name in model["buffer_names"]}}
             from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
             return get_fp32_state_dict_from_zero_checkpoint(str(folder), tag="deepspeed")
     except UnsafeCheckpoint as e: raise TrainError(str(e)) from None
