@@ -161,7 +161,8 @@ def expert_share(module: torch.nn.Module) -> tuple[str, dict[str, torch.Tensor]]
     groups = [moe.ep_group for moe in module.moe_layers() if moe.ep_group is not None]
     if not groups: return None
     P, r = dist.get_world_size(groups[0]), dist.get_rank(groups[0])
-    weights = {name: p.detach() for name, p in module.named_parameters() if not getattr(p, "allreduce", True)}
+    from deepspeed.moe.utils import is_moe_param
+    weights = {name: p.detach() for name, p in module.named_parameters() if is_moe_param(p)}
     return f"experts-{r:03d}-of-{P:03d}.pt", weights
 
 

@@ -77,11 +77,12 @@ class StepGuard:
 def grad_norm(params, expert_group=None) -> float:
     """The global L2 norm of the gradients of `params`, each rank holding the averaged gradients. Under expert
     parallelism a rank holds only its experts' (marked `allreduce = False`): their squares are summed over `expert_group`."""
+    from deepspeed.moe.utils import is_moe_param  # DeepSpeed's test of its own mark
     params = [p for p in params if p.grad is not None]
-    norms = [torch.linalg.vector_norm(p.grad, dtype=torch.float32) for p in params if getattr(p, "allreduce", True)]
+    norms = [torch.linalg.vector_norm(p.grad, dtype=torch.float32) for p in params if not is_moe_param(p)]
     if expert_group is not None:
-        square = sum((torch.linalg.vector_norm(p.grad, dtype=torch.float32) ** 2 for p in params
-                      if not getattr(p, "allreduce", True)), torch.zeros(()))  # a tensor even with no expert here
+        square = sum((torch.linalg.vector_norm(p.grad, dtype=torch.float32) ** 2 for p in params if is_moe_param(p)),
+                     torch.zeros(()))  # a tensor even with no expert here
         dist.all_reduce(square, group=expert_group)
         norms.append(square.sqrt())
     return float(torch.linalg.vector_norm(torch.stack(norms)))

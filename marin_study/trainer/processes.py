@@ -67,10 +67,9 @@ def expert_parallel_marker(num_experts: int, ep: int, name: str):
     return ExpertParallelMarker()
 
 
-def split_experts(model, ep: int) -> dict[str, object]:
+def split_experts(model, ep: int):
     """Expert parallelism on `ep` ranks: DeepSpeed's expert-parallel groups, this rank's share of each MoE layer's
-    experts, their parameters marked for DeepSpeed. Returns {'name', 'group', 'rank'} of the expert-parallel group."""
-    import torch.distributed as dist
+    experts, their parameters marked for DeepSpeed. Returns the expert-parallel process group."""
     from deepspeed.utils import groups
     name = f"ep_size_{ep}"
     if name not in groups._get_expert_parallel_group_dict(): groups._create_expert_and_data_parallel(ep)
@@ -79,7 +78,7 @@ def split_experts(model, ep: int) -> dict[str, object]:
     for moe in model.moe_layers():
         for p in moe.experts.parameters(): p.allreduce, p.group_name = False, name
     model.expert_parallel_marker = expert_parallel_marker(model.cfg.n_experts, ep, name)
-    return {"name": name, "group": group, "rank": dist.get_rank(group)}
+    return group
 
 # %% ../../nbs/07e_processes.ipynb #6f8847ac
 def make_accelerator(params: Params, world_size: int):

@@ -39,7 +39,7 @@ def build_engine(params: Params, accelerator, resuming: bool = False) -> tuple[o
     if t.init_from and not resuming: model.load_state_dict(initial_weights(t.init_from, params))
     if parallel.ep > 1:  # every rank builds the whole seeded model, then keeps its share: the same init as ep = 1
         from deepspeed.moe.utils import split_params_into_different_moe_groups_for_optimizer
-        expert_group = split_experts(model, parallel.ep)["group"]
+        expert_group = split_experts(model, parallel.ep)
         groups = split_params_into_different_moe_groups_for_optimizer(param_groups(model, t.weight_decay))
     else: groups = param_groups(model, t.weight_decay)
     guard = StepGuard(t.spike_window, t.spike_sigmas, t.max_bad_steps, t.spike_warmup)
