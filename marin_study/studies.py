@@ -7,6 +7,7 @@ import os
 import re
 import shutil
 import sys
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +20,7 @@ from .utils import atomic_write
 
 # %% auto #0
 __all__ = ['KERNEL', 'OFFLINE_TEMPLATE', 'StudyError', 'study_parameters', 'remote_references', 'notebook_html', 'render_html',
-           'run_study', 'book_chapters', 'chapter_title', 'static_widgets', 'render_book']
+           'run_study', 'book_chapters', 'chapter_title', 'static_widgets', 'chapter_kernel', 'render_book']
 
 # %% ../nbs/10_studies.ipynb #6eae6ef0
 KERNEL = "marin-study"  # registered by install.sh from the project's environment
@@ -147,25 +148,43 @@ def static_widgets(nb: nbformat.NotebookNode) -> nbformat.NotebookNode:
     return nb
 
 # %% ../nbs/10_studies.ipynb #df401c74
-def _execute_chapter(path: Path, cwd: Path, kernel: str, timeout: int | None) -> nbformat.NotebookNode:
-    "Run a chapter in a fresh kernel whose working directory is `cwd`; a StudyError naming the failing cell."
+@contextmanager
+def chapter_kernel(kernel: str, cwd: Path):
+    "A started kernel of `kernel` in folder `cwd` for the chapters of a book, shut down on leaving."
     from jupyter_client.kernelspec import NoSuchKernel
+    from jupyter_client.manager import KernelManager
+    manager = KernelManager(kernel_name=kernel)
+    try: manager.start_kernel(cwd=str(cwd))
+    except NoSuchKernel:
+        raise StudyError(f"kernel '{kernel}' is not registered; run install.sh, or "
+                         f"python -m ipykernel install --sys-prefix --name {kernel}") from None
+    try: yield manager
+    finally: manager.shutdown_kernel(now=True)
+
+
+def _execute_chapter(path: Path, manager, cwd: Path, timeout: int | None) -> nbformat.NotebookNode:
+    "Run a chapter in the kernel of `manager`, from folder `cwd`; a StudyError naming the failing cell."
     from nbclient import NotebookClient
     from nbclient.exceptions import CellExecutionError, CellTimeoutError, DeadKernelError
     nb = nbformat.read(path, as_version=4)
-    client = NotebookClient(nb, kernel_name=kernel, timeout=timeout, resources={"metadata": {"path": str(cwd)}})
+    nb.cells.insert(0, nbformat.v4.new_code_cell(f"%cd -q {cwd}"))
+    client = NotebookClient(nb, km=manager, timeout=timeout)
     try: client.execute()
-    except NoSuchKernel:
-        raise StudyError(f"{path}: kernel '{kernel}' is not registered; run install.sh, or "
-                         f"python -m ipykernel install --sys-prefix --name {kernel}") from None
     except CellExecutionError as e:
-        failed = next((i for i, c in enumerate(nb.cells, 1) if c.cell_type == "code"
+        failed = next((i for i, c in enumerate(nb.cells[1:], 1) if c.cell_type == "code"
                        and any(o.output_type == "error" for o in c.get("outputs", []))), "?")
         raise StudyError(f"{path}: cell {failed} (counting from 1) raised {e.ename}: {e.evalue}; run "
                          f"`nbdev_test --path {path}` or open it in JupyterLab to see the traceback") from None
     except (CellTimeoutError, DeadKernelError) as e:
         raise StudyError(f"{path}: the chapter did not finish ({type(e).__name__}: {str(e).splitlines()[0]}); "
                          "run it in JupyterLab to see which cell hangs or exhausts memory") from None
+    finally:
+        if client.kc is not None: client.kc.stop_channels()
+    nb.cells.pop(0)
+    for count, code in enumerate((c for c in nb.cells if c.cell_type == "code"), 1):  # as a kernel of its own counts
+        code.execution_count = count
+        for out in code.outputs:
+            if "execution_count" in out: out.execution_count = count
     return nb
 
 # %% ../nbs/10_studies.ipynb #c4d5aed5
@@ -185,10 +204,11 @@ def render_book(nbs_dir: str | Path = "nbs", out_dir: str | Path = "reports/book
     building.mkdir(parents=True)
     try:
         pages = []
-        for path in chapters:
-            nb = static_widgets(_execute_chapter(path, nbs_dir.resolve(), kernel, timeout))
-            page = ("introduction" if path.stem == "index" else path.stem) + ".html"  # index.html is the contents
-            pages.append((page, chapter_title(nb, path.stem), nb, path))
+        with chapter_kernel(kernel, nbs_dir.resolve()) as manager:
+            for path in chapters:
+                nb = static_widgets(_execute_chapter(path, manager, nbs_dir.resolve(), timeout))
+                page = ("introduction" if path.stem == "index" else path.stem) + ".html"  # index.html is the contents
+                pages.append((page, chapter_title(nb, path.stem), nb, path))
         for k, (page, name, nb, path) in enumerate(pages):
             following = f"[{pages[k + 1][1]}]({pages[k + 1][0]})" if k + 1 < len(pages) else "the end"
             nb.cells.append(nbformat.v4.new_markdown_cell(f"[Contents](index.html) | next: {following}"))
