@@ -8,7 +8,9 @@ from dataclasses import dataclass
 from .config import ModelConfig
 
 # %% auto #0
-__all__ = ['ParamCounts', 'param_breakdown', 'param_counts', 'mean_keys_per_query', 'flops_per_token', 'train_compute']
+__all__ = ['KIT', 'PALM', 'LEVANTER', 'TORCHTITAN_2024_04', 'MARIN_535B', 'LLAMA3_8B', 'REFERENCE_RUNS', 'ParamCounts',
+           'param_breakdown', 'param_counts', 'mean_keys_per_query', 'FlopsConvention', 'model_flops_per_token',
+           'flops_per_token', 'train_compute', 'MFUError', 'mfu', 'ReferenceRun', 'reproduce']
 
 # %% ../nbs/04_accounting.ipynb #5b6d0fd6
 @dataclass(frozen=True)
@@ -46,20 +48,112 @@ def param_counts(cfg: ModelConfig) -> ParamCounts:
     embedding, head = rows["embedding"][0], rows["head"][0]
     return ParamCounts(total, active, embedding, head, active - embedding - head, rows)
 
-# %% ../nbs/04_accounting.ipynb #5bb38045
+# %% ../nbs/04_accounting.ipynb #948a702b
 def mean_keys_per_query(seq_len: int, window: int = 0) -> float:
     "Average number of keys a causal query attends to in a sequence of `seq_len` (window 0 = full)."
     w = seq_len if window == 0 or window >= seq_len else window
     return (w * (w + 1) / 2 + (seq_len - w) * w) / seq_len
 
+@dataclass(frozen=True)
+class FlopsConvention:
+    "What a model-FLOPs count includes; `name` is what a metrics log records next to its MFU."
+    name: str
+    attention: bool = True   # QK^T and AV products
+    causal: bool = True      # a query pays for the keys it sees, not for all `seq_len`
+    window: bool = True      # sliding-window layers at their window, not at the full sequence
+    embedding: bool = False  # the embedding table as a 6 V h matmul (it is a lookup)
+    head: bool = True        # the output head's 6 V h matmul
+    softmax: bool = False    # 9 H FLOPs per attended key for mask and softmax (Levanter)
+
+KIT = FlopsConvention("kit: 6N active (head in, embedding out) + causal attention, windows at their window")
+PALM = FlopsConvention("palm: 6N (head in, embedding out) + 12 l h s, no causal discount, no windows",
+                       causal=False, window=False)
+
+def model_flops_per_token(cfg: ModelConfig, seq_len: int, convention: FlopsConvention = KIT) -> float:
+    "Training model FLOPs per token under `convention` (forward and backward, no recomputation)."
+    c = param_counts(cfg)
+    n = c.active_body + convention.head * cfg.vocab_size * cfg.hidden_size + convention.embedding * c.embedding
+    if not convention.attention: return 6 * n
+    windows = [cfg.sliding_window if convention.window and not cfg.is_global(i) else 0 for i in range(cfg.n_layers)]
+    keys = sum(mean_keys_per_query(seq_len, w) if convention.causal else min(w or seq_len, seq_len) for w in windows)
+    per_key = 12 * cfg.n_heads * cfg.head_dim + (9 * cfg.n_heads if convention.softmax else 0)
+    return 6 * n + per_key * keys
+
 def flops_per_token(cfg: ModelConfig, seq_len: int, causal: bool = True) -> float:
-    "Training FLOPs per token: 6 x (active non-embedding parameters + head matmul) + attention."
-    counts = param_counts(cfg)
-    matmul_params = counts.active_body + cfg.vocab_size * cfg.hidden_size
-    keys = sum(mean_keys_per_query(seq_len, 0 if cfg.is_global(i) else cfg.sliding_window) if causal else seq_len
-               for i in range(cfg.n_layers))
-    return 6 * matmul_params + 12 * cfg.n_heads * cfg.head_dim * keys
+    "Training FLOPs per token in the kit's convention (`causal=False`: PaLM's)."
+    return model_flops_per_token(cfg, seq_len, KIT if causal else PALM)
 
 def train_compute(cfg: ModelConfig, tokens: float, seq_len: int, causal: bool = True) -> float:
     "Total training FLOPs for `tokens` tokens in sequences of `seq_len`."
     return flops_per_token(cfg, seq_len, causal) * tokens
+
+# %% ../nbs/04_accounting.ipynb #80b06ee2
+class MFUError(ValueError):
+    "An MFU that cannot be right: a non-positive input, or more FLOPs than the hardware's peak."
+
+def mfu(flops_per_token: float, tokens_per_sec: float, peak_flops_per_device: float, devices: int = 1) -> float:
+    "Model FLOPs utilisation: achieved model FLOP/s over the dense peak of `devices` devices (tokens/s of all of them)."
+    if min(flops_per_token, tokens_per_sec, peak_flops_per_device, devices) <= 0:
+        raise MFUError(f"mfu needs positive inputs, got {flops_per_token=}, {tokens_per_sec=}, "
+                       f"{peak_flops_per_device=}, {devices=}")
+    u = flops_per_token * tokens_per_sec / (peak_flops_per_device * devices)
+    if u > 1:
+        raise MFUError(f"MFU {u:.1%} is above the peak: check that the peak is the dense one (not 2:4 sparse), that "
+                       "tokens/s are for the devices counted, and that the FLOPs convention counts nothing twice")
+    return u
+
+# %% ../nbs/04_accounting.ipynb #4df076dd
+LEVANTER = FlopsConvention("levanter (Marin): 3 x forward, head in, no causal discount, windows, softmax",
+                           causal=False, softmax=True)
+TORCHTITAN_2024_04 = FlopsConvention("torchtitan (early 2024): 6N with the embedding + 12 l h s",
+                                     causal=False, window=False, embedding=True)
+
+@dataclass(frozen=True)
+class ReferenceRun:
+    name: str
+    model: ModelConfig
+    seq_len: int
+    tokens_per_sec_per_device: float
+    device: str                 # the hardware catalogue's name
+    peak_flops: float           # the dense peak per device its authors divided by
+    convention: FlopsConvention
+    published_mfu: float
+    tolerance: float            # |reproduced - published|, in MFU (0.01 = one percentage point)
+    source: str
+    note: str = ""
+
+def reproduce(run: ReferenceRun, convention: FlopsConvention | None = None, peak_flops: float | None = None) -> float:
+    "The run's MFU from its published throughput, in its authors' convention unless another is given."
+    flops = model_flops_per_token(run.model, run.seq_len, convention or run.convention)
+    return mfu(flops, run.tokens_per_sec_per_device, peak_flops or run.peak_flops)
+
+MARIN_535B = ModelConfig(vocab_size=128256, hidden_size=6144, n_layers=48, n_heads=48, n_kv_heads=12, head_dim=128,
+                         max_seq_len=4096, n_experts=384, top_k=8, expert_ffn=3072, n_shared_experts=2, shared_ffn=3072,
+                         latent_dim=3072, sliding_window=2048, global_every=4)
+LLAMA3_8B = ModelConfig(vocab_size=128256, hidden_size=4096, n_layers=32, n_heads=32, n_kv_heads=8, head_dim=128,
+                        max_seq_len=8192, dense_ffn=14336, rope_theta=500000.0)
+
+# %% ../nbs/04_accounting.ipynb #f4685331
+_TITAN_H100 = ("pytorch/torchtitan docs/performance.md at commit eaea6f6 (Llama 3.1 8B, Table 1: FSDP, 8 H100, "
+               "local batch 2, selective AC; text: 'achieves 33% to 39% MFU'); 12 l h s and 989e12 from "
+               "torchtitan get_num_flop_per_token / get_peak_flops")
+_TITAN_NOTE = ("seq 8192 is torchtitan's Llama 3 8B default (the table does not restate it); their H100s are 500 W "
+               "HBM2e parts divided by the SXM peak (their footnote 2); the MFU is published rounded to the percent")
+REFERENCE_RUNS = (
+    ReferenceRun("Marin 535B-A23B shape, one GB200 NVL72 rack (64 GPUs), ragged EP64", MARIN_535B, 4096,
+                 241_000 / 64, "gb200", 2.5e15, LEVANTER, 0.2182, 0.01,
+                 "marin-community/marin issue #8317 summary ('21.82% MFU / 241k tok/s', hero shape 8/384, one NVL72 "
+                 "rack); peak 2.5 PFLOP/s from marin PR #7334; FLOPs: levanter lm_flops_per_token x 3 with the latent "
+                 "correction of experiments/grug/moe_hero_ep/train.py _compute_flops",
+                 "64 GPUs: the rack's 64-way expert mesh (moe_hero_ep README); the kit's count is 4% above the one "
+                 "Marin logged (6 instead of 12 KV heads on global layers explains 0.5% of it; the rest is unexplained)"),
+    ReferenceRun("torchtitan Llama 3.1 8B, 8 H100, FSDP", LLAMA3_8B, 8192, 5762, "h100", 989e12, PALM, 0.33, 0.01,
+                 _TITAN_H100, _TITAN_NOTE),
+    ReferenceRun("torchtitan Llama 3.1 8B, 8 H100, FSDP + torch.compile", LLAMA3_8B, 8192, 6667, "h100", 989e12, PALM,
+                 0.39, 0.01, _TITAN_H100, _TITAN_NOTE),
+    ReferenceRun("torchtitan Llama 3 8B, 64 A100 80GB, FSDP, selective op AC", LLAMA3_8B, 8192, 2973, "a100-80gb",
+                 312e12, TORCHTITAN_2024_04, 0.582, 0.001,
+                 "pytorch/torchtitan docs/performance.md at commit 0413364 ('Llama 3 performance numbers': batch 1, "
+                 "selective op, 2973 WPS, 58.2% MFU on 64 A100 80GB; Llama 3's sequence is 8192, per the same page)",
+                 "the embedding in N is inferred: only with it does 58.2% come out (53.9% without)"),
+)
