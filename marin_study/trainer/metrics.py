@@ -7,18 +7,20 @@ import json
 import math
 import os
 import time
+import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from ..accounting import flops_per_token
+from ..accounting import KIT, FlopsConvention, MFUError, mfu, model_flops_per_token
 from ..config import Params
-from ..hardware import HardwareError, device
+from ..hardware import GB, HardwareError, device
 from ..utils import json_lines
 
 # %% auto #0
 __all__ = ['STEP', 'TOKENS', 'LOSS', 'LOGIT_Z_LOSS', 'AUX_LOSS', 'ROUTER_Z_LOSS', 'LR', 'GRAD_NORM', 'MOE_MAX_LOAD',
            'MOE_MIN_LOAD', 'MOE_BIAS_NORM', 'SKIPPED', 'SKIP_REASON', 'BAD_STEPS', 'STEP_TIME', 'DATA_TIME',
-           'TOKENS_PER_SEC', 'MFU', 'EVAL_LOSS', 'EVAL_BPB', 'MOE_LAYER_METRICS', 'domain_key', 'eval_domains',
+           'TOKENS_PER_SEC', 'MFU', 'TFLOPS_PER_DEVICE', 'MFU_CONVENTION', 'PEAK_TFLOPS', 'GPU_MEM_ALLOCATED',
+           'GPU_MEM_RESERVED', 'EVAL_LOSS', 'EVAL_BPB', 'MOE_LAYER_METRICS', 'domain_key', 'eval_domains',
            'moe_layer_key', 'parse_moe_layer_key', 'router_health', 'MetricsLog', 'Throughput']
 
 # %% ../../nbs/07f_metrics.ipynb #462349fb
@@ -28,6 +30,8 @@ LR, GRAD_NORM = "lr", "grad_norm"
 MOE_MAX_LOAD, MOE_MIN_LOAD, MOE_BIAS_NORM = "moe/max_load", "moe/min_load", "moe/bias_norm"
 SKIPPED, SKIP_REASON, BAD_STEPS = "skipped", "skip_reason", "bad_steps"
 STEP_TIME, DATA_TIME, TOKENS_PER_SEC, MFU = "step_time", "data_time", "tokens_per_sec", "mfu"
+TFLOPS_PER_DEVICE, MFU_CONVENTION, PEAK_TFLOPS = "tflops_per_device", "mfu_convention", "peak_tflops"
+GPU_MEM_ALLOCATED, GPU_MEM_RESERVED = "gpu_mem_allocated_gb", "gpu_mem_reserved_gb"
 EVAL_LOSS, EVAL_BPB = "eval/loss", "eval/bpb"  # macro averages over the held-out domains
 
 
@@ -100,18 +104,27 @@ class MetricsLog:
 
 # %% ../../nbs/07f_metrics.ipynb #ee4b7366
 class Throughput:
-    "The timing keys of a step: seconds, seconds waiting for data, tokens per second and, on a known GPU, MFU."
-    def __init__(self, params: Params, world_size: int, on_gpu: bool):
+    "The timing keys of a step: seconds, seconds waiting for data, tokens/s, TFLOP/s per device and, on a known GPU, MFU."
+    def __init__(self, params: Params, world_size: int, on_gpu: bool, convention: FlopsConvention = KIT):
         t = params.train
-        self.tokens_per_step, self.world_size = t.global_batch * t.seq_len, world_size
-        self.flops_per_token = flops_per_token(params.model, t.seq_len)
+        self.tokens_per_step, self.world_size, self.convention = t.global_batch * t.seq_len, world_size, convention
+        self.flops_per_token = model_flops_per_token(params.model, t.seq_len, convention)
         try: self.peak_flops = device(params.launch.device).peak_flops if on_gpu else None
         except HardwareError: self.peak_flops = None
 
-    def measure(self, start: float, data_time: float) -> dict[str, float]:
-        "The keys of a step that began at `start` (a `time.perf_counter()`) and ends now."
+    def describe(self) -> dict[str, str | float]:
+        "How `mfu` is counted: the FLOPs convention's name and the dense peak per device (no peak: no MFU)."
+        return {MFU_CONVENTION: self.convention.name, **({PEAK_TFLOPS: self.peak_flops / 1e12} if self.peak_flops else {})}
+
+    def measure(self, start: float, data_time: float, gpu_memory: tuple[int, int] | None = None) -> dict[str, float]:
+        """The keys of a step that began at `start` (a `time.perf_counter()`) and ends now; `gpu_memory`: bytes
+        allocated and reserved, on CUDA."""
         step_time = time.perf_counter() - start
-        out = {STEP_TIME: step_time, DATA_TIME: data_time, TOKENS_PER_SEC: self.tokens_per_step / step_time}
+        tokens_per_sec = self.tokens_per_step / step_time
+        out = {STEP_TIME: step_time, DATA_TIME: data_time, TOKENS_PER_SEC: tokens_per_sec,
+               TFLOPS_PER_DEVICE: self.flops_per_token * tokens_per_sec / self.world_size / 1e12}
         if self.peak_flops:
-            out[MFU] = self.flops_per_token * out[TOKENS_PER_SEC] / (self.peak_flops * self.world_size)
+            try: out[MFU] = mfu(self.flops_per_token, tokens_per_sec, self.peak_flops, self.world_size)
+            except MFUError as e: warnings.warn(f"no mfu this step, launch.device={self.peak_flops / 1e12:g} TFLOP/s: {e}")
+        if gpu_memory is not None: out[GPU_MEM_ALLOCATED], out[GPU_MEM_RESERVED] = (b / GB for b in gpu_memory)
         return out

@@ -121,6 +121,7 @@ class Trainer:
         t, records, batches = self.params.train, [], iter(self.loader)
         accumulation = t.global_batch // (t.micro_batch * self.world_size)
         self.stopping = False  # a callback sets it to end the loop after the current step
+        how_mfu_is_counted = self.throughput.describe()  # written once, in the first record this start logs
         for callback in self.callbacks: callback.on_fit_start(self)
         while self.step < self.until and not self.stopping:
             start = time.perf_counter()
@@ -129,11 +130,14 @@ class Trainer:
             record = {STEP: self.step + 1, TOKENS: (self.step + 1) * t.global_batch * t.seq_len,
                       **self.train_step(micro_batches)}
             self.step += 1
-            record.update(self.throughput.measure(start, data_time))
+            memory = (torch.cuda.memory_allocated(self.device), torch.cuda.memory_reserved(self.device)) \
+                if self.device.type == "cuda" else None
+            record.update(self.throughput.measure(start, data_time, memory))
             if self.heldout.due(self.step):
                 record.update(self.heldout.evaluate(self.engine, t.micro_batch, self.autocast, self.device))
             if self.rank == 0 and (self.step % t.log_every == 0 or EVAL_LOSS in record or self.step == self.until):
-                self.metrics.write(record)
+                self.metrics.write({**record, **how_mfu_is_counted})
+                how_mfu_is_counted = {}
                 for callback in self.callbacks: callback.on_log(self, record)
             records.append(record)
             for callback in self.callbacks: callback.on_step_end(self, record)
