@@ -291,6 +291,15 @@ def _batch(args) -> None:
     else: print(f"submitted array {jobs[0]} and merge job {jobs[1]}; answers in {args.out}, "
                 f"scripts and logs in {side_file(args.out, 'slurm')}/")
 
+# %% ../nbs/90_cli.ipynb #3bb14348
+def _doctor(args) -> None:
+    import contextlib
+    from marin_study.doctor import doctor, report, table
+    with contextlib.redirect_stdout(sys.stderr):
+        checks = doctor(args.params, args.run_dir, args.set)
+    print(json.dumps(report(checks), indent=1) if args.json else table(checks))
+    if any(c.status == "fail" for c in checks): raise SystemExit(1)
+
 # %% ../nbs/90_cli.ipynb #b2d34797
 def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="marin-study", description="Study, validate and launch MoE pretraining.")
@@ -470,6 +479,13 @@ def parser() -> argparse.ArgumentParser:
     bt.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="with --slurm: override a key, e.g. launch.partition=cpu")
     bt.add_argument("--dry-run", action="store_true", help="with --slurm: print the array script, submit nothing")
     bt.set_defaults(run=_batch)
+
+    doc = sub.add_parser("doctor", help="check this machine before a run: packages, GPUs, all-reduce, disk, data, Slurm")
+    doc.add_argument("params", nargs="?", default="params/tiny.yaml", help="the run's params file (default: %(default)s)")
+    doc.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a key, e.g. data.out_dir=/scratch/data")
+    doc.add_argument("--run-dir", help="the run folder to check (default: runs/PARAMS-NAME); it need not exist yet")
+    doc.add_argument("--json", action="store_true", help="print one JSON object: ok, counts and the checks (name, status, detail, fix)")
+    doc.set_defaults(run=_doctor)
     return ap
 
 # %% ../nbs/90_cli.ipynb #3615755b
