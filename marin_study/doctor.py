@@ -17,10 +17,10 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-import marin_study
 from .config import Params, load_params
 from .layout import Layout
 from .trainer.deepspeed import model_state_memory
+from .utils import kit_root
 
 # %% auto #0
 __all__ = ['STATUSES', 'Check', 'table', 'report', 'pins', 'check_python', 'check_packages', 'check_torch', 'check_gpus',
@@ -55,7 +55,7 @@ def report(checks: list[Check]) -> dict:
 # %% ../nbs/14_doctor.ipynb #b6747131
 def pins() -> tuple[str, list[str]]:
     "(the lowest Python, the requirements) the kit is installed against."
-    ini = Path(marin_study.__file__).resolve().parents[1] / "settings.ini"
+    ini = kit_root() / "settings.ini"
     if ini.is_file():
         cfg = configparser.ConfigParser(delimiters=["="])
         cfg.read(ini, encoding="utf-8")
@@ -158,7 +158,7 @@ def check_all_reduce(megabytes: float | None = None, timeout: float = 120) -> Ch
     backend = "nccl" if torch.cuda.device_count() >= 2 else "gloo"
     megabytes = megabytes or (64 if backend == "nccl" else 16)
     fix = "run NCCL_DEBUG=INFO (or TORCH_DISTRIBUTED_DEBUG=DETAIL) to see why; check the GPUs' peer access and /dev/shm"
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(marin_study.__file__).resolve().parents[1]),
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(kit_root()),
                                                         os.environ.get("PYTHONPATH", "")])}
     with tempfile.TemporaryDirectory() as tmp:
         call = "from marin_study.doctor import _all_reduce_worker as w; w({}, {!r}, {}, {!r})"

@@ -11,7 +11,8 @@ from pathlib import Path
 from typing import Any, Iterable, Iterator
 
 # %% auto #0
-__all__ = ['current_umask', 'atomic_write', 'JsonLinesError', 'json_lines', 'write_jsonl', 'split_assignment', 'progress']
+__all__ = ['current_umask', 'atomic_write', 'JsonLinesError', 'json_lines', 'write_jsonl', 'split_assignment', 'progress',
+           'kit_root']
 
 # %% ../nbs/00_utils.ipynb #58e97b02
 def current_umask() -> int:
@@ -74,3 +75,9 @@ def progress(iterable, disable: bool = False, **kw):
     "tqdm on a terminal; silent when piped, in CI logs or under papermill."
     from tqdm.auto import tqdm
     return tqdm(iterable, disable=disable or not sys.stderr.isatty(), **kw)
+
+# %% ../nbs/00_utils.ipynb #0ffd8a93
+def kit_root() -> Path:
+    "The folder that holds the imported `marin_study` package: the repository of an editable install."
+    import importlib.util
+    return Path(importlib.util.find_spec("marin_study").origin).resolve().parents[1]
