@@ -105,17 +105,24 @@ def _fail(error: Exception) -> int:
     print(f"marin-study: error: {error}", file=sys.stderr)
     return 2
 
+def _profile_sets(spec: str | None) -> list[str]:
+    "`--profile START:STEPS` as overrides of train.profile, so that the params check them as they check any key."
+    if spec is None: return []
+    start, _, steps = spec.partition(":")
+    return [f"train.profile.start={start}", f"train.profile.steps={steps or 1}"]
+
 def _train(args) -> None:
     from marin_study.trainer.optim import BadStepsError  # imported here: torch would slow every other command
     from marin_study.trainer.processes import TrainError
     from marin_study.trainer.train import train
-    try: records = train(load_params(args.params, args.set), args.run_dir, until=args.until)
+    try: records = train(load_params(args.params, args.set + _profile_sets(args.profile)), args.run_dir, until=args.until)
     except (TrainError, BadStepsError) as e: raise SystemExit(_fail(e)) from None
     if records and int(os.environ.get("RANK", 0)) == 0:
         last = records[-1]
         print(f"step {last['step']}: loss {last['loss']:.4f}" + (f", eval bpb {last['eval/bpb']:.4f}" if "eval/bpb" in last else "")
               + f"; metrics in {Path(args.run_dir) / 'metrics.jsonl'}")
 
+# %% ../nbs/90_cli.ipynb #c433d3f2
 def _plan(args) -> None:
     from marin_study.parallelism import inference_plan, plan, with_layout, write_launch_configs
     p = load_params(args.params, args.set)
@@ -331,6 +338,7 @@ def parser() -> argparse.ArgumentParser:
     train.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a key, e.g. train.steps=50")
     train.add_argument("--run-dir", required=True, help="checkpoints and metrics.jsonl go here; run again to resume")
     train.add_argument("--until", type=int, help="stop (with a checkpoint) after this step, e.g. to split a run in legs")
+    train.add_argument("--profile", metavar="START:STEPS", help="trace these steps with torch.profiler into RUN_DIR/profile (train.profile)")
     train.set_defaults(run=_train)
 
     pl = sub.add_parser("plan", help="memory, time and the best parallel layouts of a params file on a cluster")

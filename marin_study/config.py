@@ -20,8 +20,9 @@ from .utils import atomic_write, split_assignment
 
 # %% auto #0
 __all__ = ['DEFAULT_FILTERS', 'SECTIONS', 'REQUIRED_SECTIONS', 'YamlLoader', 'YamlDumper', 'parse_value', 'Problem',
-           'ConfigError', 'Section', 'ModelConfig', 'MixturePhase', 'DataConfig', 'split_init_from', 'TrainConfig',
-           'ParallelConfig', 'LaunchConfig', 'Params', 'params_from_dict', 'load_params', 'dump_params', 'save_params']
+           'ConfigError', 'Section', 'ModelConfig', 'MixturePhase', 'DataConfig', 'split_init_from', 'ProfileConfig',
+           'TrainConfig', 'ParallelConfig', 'LaunchConfig', 'Params', 'params_from_dict', 'load_params', 'dump_params',
+           'save_params']
 
 # %% ../nbs/02_config.ipynb #6fe14b2f
 _YAML12 = [  # (tag, pattern, first characters): YAML 1.2 core schema
@@ -286,6 +287,22 @@ def split_init_from(spec: str) -> tuple[str, int | None]:
     if not folder: raise ValueError(f"{spec!r}: step {step} of which run? RUN_DIR is missing before the ':'")
     return folder, int(step)
 
+# %% ../nbs/02_config.ipynb #81974e67
+@dataclass
+class ProfileConfig(Section):
+    start: int = _f(3, ge=1)   # the first profiled step: after the first steps' one-off costs (allocation, warm-up)
+    steps: int = _f(0, ge=0)   # 0 = off
+    flops: bool = False        # also DeepSpeed's flops profiler, on the step after the trace
+
+    @property
+    def last(self) -> int:
+        "The last step the run must reach for the whole profile (the trace, and the flops step if asked)."
+        return self.start + self.steps - 1 + self.flops
+
+    def _rules(self):
+        if self.flops and not self.steps:
+            yield Problem("flops", "asks for the flops profiler, but steps is 0 (profiling off)", "set steps >= 1")
+
 # %% ../nbs/02_config.ipynb #dcfc9e68
 @dataclass
 class TrainConfig(Section):
@@ -317,6 +334,7 @@ class TrainConfig(Section):
     max_bad_steps: int = _f(5, ge=1)             # this many bad steps in a row stop the run
     tensorboard: bool = False                    # also write the metrics as TensorBoard events in RUN_DIR/tensorboard
     init_from: str = ""                          # a new run from these weights: RUN_DIR[:STEP], a checkpoint or an export
+    profile: ProfileConfig = _f(ProfileConfig)   # a torch.profiler trace of a few steps (off: steps 0)
 
     @property
     def tokens(self) -> int: return self.steps * self.global_batch * self.seq_len
@@ -325,6 +343,9 @@ class TrainConfig(Section):
         if self.global_batch % self.micro_batch:
             yield Problem("global_batch", f"{self.global_batch} is not a multiple of micro_batch ({self.micro_batch})",
                           "make global_batch a multiple of micro_batch")
+        if self.profile.steps and self.profile.last > self.steps:
+            yield Problem("profile", f"profiles up to step {self.profile.last}, past the run's {self.steps} steps",
+                          "start the profile earlier or profile fewer steps")
         try: split_init_from(self.init_from)
         except ValueError as e: yield Problem("init_from", str(e), "write RUN_DIR:STEP with a whole step, or a folder without ':'")
 
@@ -425,6 +446,10 @@ def _resolve(dotted: str) -> tuple[list[str], Problem | None]:
     depth, tp = 2, types[parts[1]]
     if get_origin(tp) is types_.UnionType: tp = next((a for a in get_args(tp) if get_origin(a) is dict), tp)
     while get_origin(tp) is dict: depth, tp = depth + 1, get_args(tp)[1]
+    if dataclasses.is_dataclass(tp) and len(parts) > depth:  # a key of a nested section: train.profile.steps
+        fields = get_type_hints(tp)
+        if parts[depth] not in fields: return parts, _unknown(dotted, parts[depth], fields, ".".join(parts[:depth]) + ".")
+        depth += 1
     if len(parts) > depth:
         return parts, Problem(dotted, f"'{parts[0]}.{parts[1]}' has no sub-key '{parts[2]}'", f"set {parts[0]}.{parts[1]} itself")
     return parts, None

@@ -96,6 +96,9 @@ def test_unknown_section_and_override_key_suggest():
     ("data.num_workers=-1", "data.num_workers", "out of range"),
     ("train.init_from=runs/a:last", "train.init_from", "must be followed by a step number"),
     ("train.init_from=:400", "train.init_from", "RUN_DIR is missing"),
+    ("train.profile={start: 299, steps: 5}", "train.profile", "past the run's 300 steps"),
+    ("train.profile.flops=true", "train.profile", "but steps is 0 (profiling off)"),
+    ("train.profile.stat=3", "train.profile.stat", "did you mean 'train.profile.start'"),
 ])
 def test_rules_name_the_key_the_problem_and_a_fix(override, key, words):
     err = error_of(load_params, ROOT / "params/tiny.yaml", [override])

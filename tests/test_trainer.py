@@ -262,6 +262,21 @@ def test_a_new_callback_joins_the_loop_without_editing_it(params_file, tmp_path)
                      ["log", 3, logged[1]["loss"]], ["step_end", 3], ["fit_end", 3], ["close"]]
 
 
+def test_profile_traces_its_steps_and_costs_nothing_when_off(reference, params_file, tmp_path):
+    run_dir = tmp_path / "run"
+    run(command("alone", params_file, run_dir, "train.profile.flops=true", until=3) + ["--profile", "2:1"])
+    profile = run_dir / "profile"
+    assert sorted(p.name for p in profile.iterdir()) == ["flops-rank0.txt", "rank0.pt.trace.json", "top_ops-rank0.txt"]
+    trace = json.loads((profile / "rank0.pt.trace.json").read_text())  # a Chrome trace, as TensorBoard's plugin reads it
+    assert any(event.get("name") == "aten::mm" for event in trace["traceEvents"])
+    top = (profile / "top_ops-rank0.txt").read_text()
+    assert top.startswith("steps 2-2 on rank 0") and "aten::mm" in top
+    assert "fwd flops per GPU" in (profile / "flops-rank0.txt").read_text()  # DeepSpeed's flops profiler, on step 3
+    assert not (reference(0) / "profile").exists()  # off by default
+    refused = run(command("alone", params_file, tmp_path / "refused") + ["--profile", "7:5"], check=False)
+    assert refused.returncode == 2 and "train.profile" in refused.stderr and "Traceback" not in refused.stderr
+
+
 def test_trainer_benchmark_runs_and_prints_its_ratio(params_file):
     result = run([sys.executable, str(ROOT / "bench/trainer.py"), "--params", str(params_file), "--steps", "2",
                   "--warmup", "1", "--rounds", "1"])

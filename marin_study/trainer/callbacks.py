@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import signal
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -16,7 +17,7 @@ from .processes import say
 from ..utils import atomic_write, progress
 
 # %% auto #0
-__all__ = ['Callback', 'Progress', 'TensorBoard', 'SignalStop', 'held_bytes', 'MemoryCensus']
+__all__ = ['Callback', 'Progress', 'TensorBoard', 'SignalStop', 'held_bytes', 'MemoryCensus', 'Profiler']
 
 # %% ../../nbs/07i_callbacks.ipynb #328d42cb
 class Callback:
@@ -119,3 +120,52 @@ class MemoryCensus(Callback):
             report = {"step": trainer.step, "layout": str(layout), "precision": "fp32", "accounting": "runtime",
                       "predicted": dict(zip(("params", "grads", "optimizer"), predicted)), "ranks": held}
             atomic_write(trainer.run_dir / "memory.json", json.dumps(report, indent=1) + "\n")
+
+# %% ../../nbs/07i_callbacks.ipynb #5856d248
+class Profiler(Callback):
+    "A torch.profiler trace of steps `start`.. `start + steps - 1` into `folder`, its top operators, and DeepSpeed's flops profile."
+    def __init__(self, folder, start: int, steps: int, flops: bool = False, top: int = 25):
+        self.folder, self.first, self.last, self.flops, self.top = Path(folder), start, start + steps - 1, flops, top
+        self.trace = self.flops_profiler = None
+
+    def _begin(self, trainer) -> None:
+        if trainer.step + 1 == self.first:
+            activities = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+            self.trace = torch.profiler.profile(activities=activities)
+            self.trace.start()
+        elif trainer.step == self.last and self.flops and trainer.rank == 0:
+            from deepspeed.profiling.flops_profiler import FlopsProfiler
+            self.flops_profiler = FlopsProfiler(trainer.engine.module, ds_engine=trainer.engine)
+            self.flops_profiler.start_profile()
+
+    def _end_trace(self, trainer) -> None:
+        self.trace.stop()
+        self.folder.mkdir(parents=True, exist_ok=True)
+        path = self.folder / f"rank{trainer.rank}.pt.trace.json"
+        self.trace.export_chrome_trace(str(path.with_suffix(".tmp.json")))
+        path.with_suffix(".tmp.json").rename(path)
+        by = "self_device_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
+        table = self.trace.key_averages().table(sort_by=by, row_limit=self.top)
+        atomic_write(self.folder / f"top_ops-rank{trainer.rank}.txt",
+                     f"steps {self.first}-{trainer.step} on rank {trainer.rank}, by {by}\n{table}\n")
+        self.trace = None
+        say(f"profile of steps {self.first}-{trainer.step} in {path}")
+
+    def _end_flops(self, trainer) -> None:
+        tmp = self.folder / "flops-rank0.tmp.txt"
+        self.flops_profiler.stop_profile()
+        self.flops_profiler.print_model_profile(profile_step=trainer.step, module_depth=-1, top_modules=3, output_file=str(tmp))
+        self.flops_profiler.end_profile()
+        tmp.rename(self.folder / "flops-rank0.txt")
+        self.flops_profiler = None
+
+    def on_fit_start(self, trainer): self._begin(trainer)
+
+    def on_step_end(self, trainer, record):
+        if self.flops_profiler is not None: self._end_flops(trainer)
+        if self.trace is not None and trainer.step == self.last: self._end_trace(trainer)
+        self._begin(trainer)
+
+    def on_fit_end(self, trainer):  # a leg that ends inside the profile (--until, a signal) keeps what it traced
+        if self.trace is not None: self._end_trace(trainer)
+        if self.flops_profiler is not None: self.flops_profiler.end_profile()

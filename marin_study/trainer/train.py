@@ -15,7 +15,7 @@ import torch.distributed as dist
 from ..config import Params, dump_params
 from ..data.mixture import make_loader
 from ..model import Transformer, use_recompute
-from .callbacks import Callback, MemoryCensus, Progress, SignalStop, TensorBoard
+from .callbacks import Callback, MemoryCensus, Profiler, Progress, SignalStop, TensorBoard
 from .checkpointer import Checkpointer, initial_weights
 from .evaluation import HeldOut
 from .metrics import (
@@ -76,7 +76,9 @@ class Trainer:
         self.heldout = HeldOut(params, t.eval_samples, self.rank, self.world_size)
         self.throughput = Throughput(params, self.world_size, on_gpu=torch.cuda.is_available())
         tensorboard = [TensorBoard(self.run_dir / "tensorboard", self.step + 1)] if t.tensorboard and self.rank == 0 else []
-        self.callbacks = [*tensorboard, MemoryCensus(), Progress(), *callbacks, signal_stop]
+        profile = t.profile  # made only when asked for: a run without a profile pays nothing for it
+        profiler = [Profiler(self.run_dir / "profile", profile.start, profile.steps, profile.flops)] if profile.steps else []
+        self.callbacks = [*tensorboard, MemoryCensus(), Progress(), *callbacks, *profiler, signal_stop]
 
     def save(self) -> Path:
         "Checkpoint the run after the current step (every rank takes part); returns the checkpoint's folder."
