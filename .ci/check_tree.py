@@ -22,6 +22,7 @@ NOT_BIT_REPRODUCIBLE = {
     "runs/tiny/train_tiny.ipynb": "papermill timings; the notebook prints the training time and speed",
     "reports/train_tiny.html": "rendered from that executed notebook",
     "reports/train_tiny_metrics.jsonl": "a copy of the run's metrics.jsonl, with step times",
+    "reports/train_tiny_run_card.json": "a copy of the run's run card, with its wall times, machine and git state",
     "runs/report/loss_report.ipynb": "papermill timings; it plots the throughput curve",
     "reports/loss_report.html": "rendered from that executed notebook",
     "runs/launch/cluster_launch.ipynb": "papermill records each cell's start and end time",

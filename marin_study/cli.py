@@ -114,8 +114,10 @@ def _profile_sets(spec: str | None) -> list[str]:
 def _train(args) -> None:
     from marin_study.trainer.optim import BadStepsError  # imported here: torch would slow every other command
     from marin_study.trainer.processes import TrainError
+    from marin_study.run_card import RunCard
     from marin_study.trainer.train import train
-    try: records = train(load_params(args.params, args.set + _profile_sets(args.profile)), args.run_dir, until=args.until)
+    params = load_params(args.params, args.set + _profile_sets(args.profile))
+    try: records = train(params, args.run_dir, until=args.until, callbacks=[RunCard()])
     except (TrainError, BadStepsError) as e: raise SystemExit(_fail(e)) from None
     if records and int(os.environ.get("RANK", 0)) == 0:
         last = records[-1]

@@ -335,6 +335,7 @@ class TrainConfig(Section):
     tensorboard: bool = False                    # also write the metrics as TensorBoard events in RUN_DIR/tensorboard
     init_from: str = ""                          # a new run from these weights: RUN_DIR[:STEP], a checkpoint or an export
     profile: ProfileConfig = _f(ProfileConfig)   # a torch.profiler trace of a few steps (off: steps 0)
+    target: dict[str, float] = _f(dict)          # pre-registered: metric -> the value it should end at or below
 
     @property
     def tokens(self) -> int: return self.steps * self.global_batch * self.seq_len

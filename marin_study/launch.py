@@ -178,7 +178,8 @@ def launch_slurm(params_path: str | Path, overrides: list[str] | None = None, ru
 
 # %% ../nbs/11_launch.ipynb #2b0097d3
 TASK_OUTPUTS = {"summary_json": "summary.json", "runs_root": "run", "metrics_copy": "metrics.jsonl",
-                "loss_plot": "loss.png", "curve_csv": "curve.csv", "findings_json": "findings.json"}
+                "loss_plot": "loss.png", "curve_csv": "curve.csv", "findings_json": "findings.json",
+                "run_card_copy": "run_card.json"}
 
 def parse_grid(pairs: list[str]) -> dict[str, list]:
     "`key=v1,v2` pairs as {key: [values]} (each value read as YAML)."

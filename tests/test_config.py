@@ -99,6 +99,7 @@ def test_unknown_section_and_override_key_suggest():
     ("train.profile={start: 299, steps: 5}", "train.profile", "past the run's 300 steps"),
     ("train.profile.flops=true", "train.profile", "but steps is 0 (profiling off)"),
     ("train.profile.stat=3", "train.profile.stat", "did you mean 'train.profile.start'"),
+    ("train.target={eval/bpb: low}", "train.target", "expected a number, got 'low'"),
 ])
 def test_rules_name_the_key_the_problem_and_a_fix(override, key, words):
     err = error_of(load_params, ROOT / "params/tiny.yaml", [override])

@@ -86,7 +86,8 @@ def test_folders_given_as_output_or_report_are_refused_up_front(tmp_path):
 
 def test_train_study_declares_its_parameters():
     assert set(study_parameters(ROOT / "nbs/studies/train_tiny.ipynb")) == {
-        "params_path", "overrides", "runs_root", "procs", "summary_json", "loss_plot", "metrics_copy", "curve_csv"}
+        "params_path", "overrides", "runs_root", "procs", "summary_json", "loss_plot", "metrics_copy", "curve_csv",
+        "run_card_copy"}
 
 
 def screenshot_and_text(html: Path, tmp_path: Path) -> tuple[np.ndarray, str]:
@@ -106,12 +107,15 @@ def test_dvc_repro_trains_the_tiny_study_reports_on_it_and_a_second_repro_resume
     result = run(["dvc", "repro", "report"], cwd=project_copy)
     assert all(f"Running stage '{stage}'" in result.stdout for stage in ("train", "evalset", "eval", "report"))
     findings = json.loads((project_copy / "reports/loss_findings.json").read_text())["train_tiny"]
+    card = json.loads((project_copy / "reports/train_tiny_run_card.json").read_text())
+    assert card["resumed_at"] == [150] and card["steps"] == 300 and card["git_commit"] and card["data_hash"]
     assert {f["kind"] for f in findings["findings"]} <= set(KINDS) and findings["errors"] == findings["warnings"] == 0
     report = project_copy / "reports/loss_report.html"
     assert not remote_references(report.read_text())
     pixels, dom = screenshot_and_text(report, tmp_path)
     assert pixels[..., :3].std() > 0.05 and (pixels[..., :3] < 0.9).mean() > 0.02  # drawn, not a blank page
     assert "Findings" in dom and "warning(s)" in dom and "schedule" in dom
+    assert "Run card" in dom and card["params_hash"][:12] in dom
     run(["dvc", "plots", "show", "-o", str(tmp_path / "plots")], cwd=project_copy)
     assert (tmp_path / "plots/index.html").exists()
     summary = json.loads((project_copy / "reports/train_tiny.json").read_text())
@@ -166,4 +170,4 @@ def test_eval_report_declares_its_parameters():
 
 def test_loss_report_declares_its_parameters():
     assert set(study_parameters(ROOT / "nbs/studies/loss_report.ipynb")) == {
-        "metrics", "reference", "params_path", "target_tokens", "findings_json", "evals"}
+        "metrics", "reference", "params_path", "target_tokens", "findings_json", "evals", "run_cards"}

@@ -120,6 +120,12 @@ def test_two_processes_resume_on_one_through_a_universal_checkpoint(reference, p
     # the balancing biases (buffers, which a universal checkpoint does not carry) come back too
     assert losses(run_dir, "moe/bias_norm") == pytest.approx(losses(reference(2), "moe/bias_norm"), rel=1e-4)
     assert json.loads((run_dir / "checkpoints/step-00000008/trainer.json").read_text())["world_size"] == 1
+    card = json.loads((run_dir / "run_card.json").read_text())  # the run card keeps both starts, and their layouts
+    assert [(l["start_step"], l["end_step"], l["world_size"]) for l in card["legs"]] == [(0, STEPS, 2), (2, STEPS, 1)]
+    assert card["restarts"] == 1 and card["resumed_at"] == [2] and card["layout"].startswith("tp1 pp1 ep1 dp1 zero2")
+    assert card["final"]["loss"] == {"value": losses(run_dir)[-1], "step": STEPS} and card["tokens"] == STEPS * 8 * 128
+    assert len(card["git_commit"]) == 40 and card["params_hash"] and card["data_hash_from"] == "shards meta"
+    assert "resumed at step 2" in (run_dir / "RUN_CARD.md").read_text()
 
 
 def test_a_corrupt_checkpoint_is_reported_and_skipped_never_silently_replaced(reference, params_file, tmp_path):

@@ -25,6 +25,7 @@ class Callback:
     def on_fit_start(self, trainer) -> None: pass
     def on_log(self, trainer, record: dict) -> None: pass
     def on_step_end(self, trainer, record: dict) -> None: pass
+    def on_save(self, trainer, folder: Path) -> None: pass
     def on_fit_end(self, trainer) -> None: pass
     def close(self) -> None: pass
 

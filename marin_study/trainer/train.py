@@ -82,7 +82,9 @@ class Trainer:
 
     def save(self) -> Path:
         "Checkpoint the run after the current step (every rank takes part); returns the checkpoint's folder."
-        return self.checkpointer.save(self.engine, self.step, self.guard)
+        folder = self.checkpointer.save(self.engine, self.step, self.guard)
+        for callback in self.callbacks: callback.on_save(self, folder)
+        return folder
 
     def train_step(self, micro_batches) -> dict:
         "One optimizer step over this rank's micro-batches; returns the step's metrics (identical on every rank)."

@@ -78,7 +78,7 @@ def main() -> int:
                     "params_path": PARAMS, "overrides": data_overrides + [f"train.seed={seed}", f"data.seed={seed}"],
                     "runs_root": str(out / "run"), "summary_json": str(out / "summary.json"),
                     "loss_plot": str(out / "loss.png"), "metrics_copy": str(out / "metrics.jsonl"),
-                    "curve_csv": str(out / "curve.csv")})
+                    "curve_csv": str(out / "curve.csv"), "run_card_copy": str(out / "run_card.json")})
             except Exception as e:  # a failed study is a result here: report it with the others
                 failures.append(f"{name}: {e}")
                 rows.append({**row, "status": "study failed"})
