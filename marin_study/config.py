@@ -332,7 +332,7 @@ class TrainConfig(Section):
     spike_sigmas: float = _f(6.0, gt=0)          # a loss or grad norm above mean + sigmas x std is a spike
     spike_warmup: int = _f(50, ge=0)             # first accepted steps: only NaN/inf is judged
     max_bad_steps: int = _f(5, ge=1)             # this many bad steps in a row stop the run
-    tensorboard: bool = False                    # also write the metrics as TensorBoard events in RUN_DIR/tensorboard
+    trackers: list[Literal["tensorboard", "wandb", "mlflow"]] = _f(lambda: ["tensorboard"])  # metrics also go to these
     init_from: str = ""                          # a new run from these weights: RUN_DIR[:STEP], a checkpoint or an export
     profile: ProfileConfig = _f(ProfileConfig)   # a torch.profiler trace of a few steps (off: steps 0)
     target: dict[str, float] = _f(dict)          # pre-registered: metric -> the value it should end at or below
@@ -347,6 +347,8 @@ class TrainConfig(Section):
         if self.profile.steps and self.profile.last > self.steps:
             yield Problem("profile", f"profiles up to step {self.profile.last}, past the run's {self.steps} steps",
                           "start the profile earlier or profile fewer steps")
+        if len(set(self.trackers)) < len(self.trackers):
+            yield Problem("trackers", f"{self.trackers} names a tracker twice", "name each tracker once")
         try: split_init_from(self.init_from)
         except ValueError as e: yield Problem("init_from", str(e), "write RUN_DIR:STEP with a whole step, or a folder without ':'")
 
@@ -484,6 +486,10 @@ def params_from_dict(raw: Any, source: str = "<dict>", origins: dict[str, str] |
         raise ConfigError([Problem("(top level)", f"expected a mapping of sections, got {type(raw).__name__}",
                                    f"write sections {', '.join(SECTIONS)} at the top level")], source)
     problems += [_unknown(str(name), str(name), SECTIONS) for name in raw if name not in SECTIONS]
+    older = raw.get("train")
+    if isinstance(older, dict) and "tensorboard" in older and "trackers" not in older:  # a run folder's older params.yaml
+        trackers = ["tensorboard"] if older["tensorboard"] else []
+        raw = {**raw, "train": {**{k: v for k, v in older.items() if k != "tensorboard"}, "trackers": trackers}}
     sections = {}
     for name, cls in SECTIONS.items():
         body = raw.get(name)

@@ -100,6 +100,8 @@ def test_unknown_section_and_override_key_suggest():
     ("train.profile.flops=true", "train.profile", "but steps is 0 (profiling off)"),
     ("train.profile.stat=3", "train.profile.stat", "did you mean 'train.profile.start'"),
     ("train.target={eval/bpb: low}", "train.target", "expected a number, got 'low'"),
+    ("train.trackers=[neptune]", "train.trackers", "one of 'tensorboard', 'wandb', 'mlflow'"),
+    ("train.trackers=[wandb, wandb]", "train.trackers", "names a tracker twice"),
 ])
 def test_rules_name_the_key_the_problem_and_a_fix(override, key, words):
     err = error_of(load_params, ROOT / "params/tiny.yaml", [override])
@@ -114,6 +116,13 @@ def test_init_from_and_num_workers_load_with_their_defaults_and_round_trip(tmp_p
     p = load_params(ROOT / "params/tiny.yaml", ["train.init_from=runs/tiny/run:200", "data.num_workers=2"])
     assert p.train.init_from == "runs/tiny/run:200" and p.data.num_workers == 2
     assert load_params(save_params(p, tmp_path / "again.yaml")) == p
+
+
+def test_trackers_default_to_tensorboard_and_an_older_tensorboard_key_still_loads(tmp_path):
+    assert load_params(ROOT / "params/tiny.yaml").train.trackers == ["tensorboard"]
+    older = (ROOT / "params/tiny.yaml").read_text().replace("train:\n", "train:\n  tensorboard: false\n", 1)
+    (tmp_path / "older.yaml").write_text(older)  # what a run folder's params.yaml of an older kit holds
+    assert load_params(tmp_path / "older.yaml").train.trackers == []
 
 
 def test_dense_model_rules():

@@ -174,10 +174,10 @@ def test_sigusr1_on_one_rank_saves_and_exits_cleanly_then_resumes_exactly(refere
 
 
 def test_sigterm_alone_saves_and_exits_zero(params_file, tmp_path):
-    "One process in bf16 autocast with TensorBoard events, stopped by SIGTERM."
+    "One process in bf16 autocast with TensorBoard events (the default tracker), stopped by SIGTERM."
     run_dir = tmp_path / "run"
     proc = subprocess.Popen(command("alone", params_file, run_dir, "train.steps=200", "train.checkpoint_every=0",
-                                    "train.dtype=bfloat16", "train.tensorboard=true"),
+                                    "train.dtype=bfloat16"),
                             stderr=subprocess.PIPE, text=True,
                             env={**os.environ, "PATH": f"{BIN}{os.pathsep}{os.environ['PATH']}"})
     deadline = time.time() + 300

@@ -3,8 +3,12 @@
 # %% ../../nbs/07i_callbacks.ipynb #54d89495
 from __future__ import annotations
 
+import hashlib
+import importlib.util
 import json
+import os
 import signal
+import time
 from pathlib import Path
 
 import torch
@@ -17,7 +21,8 @@ from .processes import say
 from ..utils import atomic_write, progress
 
 # %% auto #0
-__all__ = ['Callback', 'Progress', 'TensorBoard', 'SignalStop', 'held_bytes', 'MemoryCensus', 'Profiler']
+__all__ = ['TRACKER_PACKAGES', 'Callback', 'Progress', 'numbers', 'TensorBoard', 'WandB', 'MLflow', 'missing_trackers',
+           'make_trackers', 'SignalStop', 'held_bytes', 'MemoryCensus', 'Profiler']
 
 # %% ../../nbs/07i_callbacks.ipynb #328d42cb
 class Callback:
@@ -29,7 +34,7 @@ class Callback:
     def on_fit_end(self, trainer) -> None: pass
     def close(self) -> None: pass
 
-# %% ../../nbs/07i_callbacks.ipynb #ff5c0469
+# %% ../../nbs/07i_callbacks.ipynb #913a8600
 class Progress(Callback):
     "A progress bar of this fit's steps, with the loss of the last one."
     def on_fit_start(self, trainer):
@@ -42,18 +47,71 @@ class Progress(Callback):
     def on_fit_end(self, trainer): self.bar.close()
 
 
+def numbers(record: dict) -> dict[str, float]:
+    "The numbers of a metrics record by their metrics.jsonl names; the step is the axis, not a value."
+    return {k: v for k, v in record.items() if isinstance(v, (int, float)) and not isinstance(v, bool) and k != STEP}
+
+
 class TensorBoard(Callback):
     "Every number of each logged record as a TensorBoard scalar at its step, in `folder`."
     def __init__(self, folder, purge_step: int):
-        from torch.utils.tensorboard import SummaryWriter  # imported here: TensorBoard is optional and slow to import
+        from torch.utils.tensorboard import SummaryWriter  # imported here: slow to import, and only rank 0 needs it
         self.writer = SummaryWriter(folder, purge_step=purge_step)
 
     def on_log(self, trainer, record):
-        for key, value in record.items():
-            if isinstance(value, (int, float)) and not isinstance(value, bool) and key != STEP:
-                self.writer.add_scalar(key, value, trainer.step)
+        for key, value in numbers(record).items(): self.writer.add_scalar(key, value, trainer.step)
 
     def close(self): self.writer.close()
+
+# %% ../../nbs/07i_callbacks.ipynb #40440df9
+class WandB(Callback):
+    "Every number of each logged record to Weights & Biases, offline in RUN_DIR/wandb unless WANDB_MODE says otherwise."
+    def __init__(self, run_dir, config: dict):
+        import wandb
+        run_dir = Path(run_dir).resolve()
+        self.run = wandb.init(project=os.environ.get("WANDB_PROJECT", "marin-study"), name=run_dir.name, config=config,
+                              id=hashlib.sha256(str(run_dir).encode()).hexdigest()[:16],  # one W&B run per run folder
+                              dir=str(run_dir), mode=os.environ.get("WANDB_MODE", "offline"), resume="allow")
+
+    def on_log(self, trainer, record): self.run.log(numbers(record), step=trainer.step)
+
+    def close(self): self.run.finish()
+
+
+class MLflow(Callback):
+    "Every number of each logged record to MLflow: RUN_DIR/mlflow.db (SQLite) unless MLFLOW_TRACKING_URI names a store."
+    def __init__(self, run_dir):
+        from mlflow.tracking import MlflowClient
+        run_dir = Path(run_dir).resolve()
+        self.client = MlflowClient(os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{run_dir / 'mlflow.db'}")
+        saved = run_dir / "mlflow_run_id"
+        if saved.exists(): self.run_id = saved.read_text().strip()
+        else:
+            found = self.client.get_experiment_by_name("marin-study")
+            experiment = found.experiment_id if found else self.client.create_experiment("marin-study")
+            self.run_id = self.client.create_run(experiment, run_name=run_dir.name).info.run_id
+            atomic_write(saved, self.run_id + "\n")
+
+    def on_log(self, trainer, record):
+        from mlflow.entities import Metric
+        now = int(time.time() * 1000)
+        self.client.log_batch(self.run_id, metrics=[Metric(k, v, now, trainer.step) for k, v in numbers(record).items()])
+
+    def close(self): self.client.set_terminated(self.run_id)
+
+# %% ../../nbs/07i_callbacks.ipynb #96bc4b9b
+TRACKER_PACKAGES = {"tensorboard": "tensorboard", "wandb": "wandb", "mlflow": "mlflow"}
+
+def missing_trackers(names) -> list[str]:
+    "The trackers among `names` whose package this machine lacks."
+    return [n for n in names if importlib.util.find_spec(TRACKER_PACKAGES[n]) is None]
+
+def make_trackers(names, run_dir, params, first_step: int) -> list[Callback]:
+    "The callbacks of `train.trackers`, for rank 0 of a run whose next step is `first_step`."
+    run_dir = Path(run_dir)
+    make = {"tensorboard": lambda: TensorBoard(run_dir / "tensorboard", first_step),
+            "wandb": lambda: WandB(run_dir, params.to_dict()), "mlflow": lambda: MLflow(run_dir)}
+    return [make[name]() for name in names]
 
 # %% ../../nbs/07i_callbacks.ipynb #ebe358f4
 class SignalStop(Callback):

@@ -15,14 +15,15 @@ import torch.distributed as dist
 from ..config import Params, dump_params
 from ..data.mixture import make_loader
 from ..model import Transformer, use_recompute
-from .callbacks import Callback, MemoryCensus, Profiler, Progress, SignalStop, TensorBoard
+from .callbacks import (
+    Callback, MemoryCensus, Profiler, Progress, SignalStop, make_trackers, missing_trackers)
 from .checkpointer import Checkpointer, initial_weights
 from .evaluation import HeldOut
 from .metrics import (
     AUX_LOSS, BAD_STEPS, EVAL_LOSS, GRAD_NORM, LOGIT_Z_LOSS, LOSS, LR, MOE_BIAS_NORM, MOE_MAX_LOAD, MOE_MIN_LOAD,
     ROUTER_Z_LOSS, SKIP_REASON, SKIPPED, STEP, TOKENS, MetricsLog, Throughput, router_health)
 from .optim import GuardedAdamW, StepGuard, param_groups
-from .processes import join_processes, make_accelerator, say, split_experts
+from .processes import TrainError, join_processes, make_accelerator, say, split_experts
 from .schedule import lr_at
 from ..utils import atomic_write
 
@@ -60,6 +61,9 @@ class Trainer:
         self.params, self.run_dir, t = params, Path(run_dir), params.train
         self.until = t.steps if until is None else min(until, t.steps)
         signal_stop = SignalStop()  # first: a signal during the minutes of start-up still stops the run after a step
+        if missing := missing_trackers(t.trackers):
+            raise TrainError(f"train.trackers names {', '.join(missing)}, not installed here: pip install "
+                             f"{' '.join(missing)}, or leave {', '.join(missing)} out of train.trackers")
         self.rank, self.world_size = join_processes(params)
         self.metrics = MetricsLog(self.run_dir / "metrics.jsonl")
         self.accelerator, plugin = make_accelerator(params, self.world_size)
@@ -75,10 +79,10 @@ class Trainer:
         self.loader = make_loader(params, self.rank, self.world_size, start_step=self.step)
         self.heldout = HeldOut(params, t.eval_samples, self.rank, self.world_size)
         self.throughput = Throughput(params, self.world_size, on_gpu=torch.cuda.is_available())
-        tensorboard = [TensorBoard(self.run_dir / "tensorboard", self.step + 1)] if t.tensorboard and self.rank == 0 else []
+        trackers = make_trackers(t.trackers, self.run_dir, params, self.step + 1) if self.rank == 0 else []
         profile = t.profile  # made only when asked for: a run without a profile pays nothing for it
         profiler = [Profiler(self.run_dir / "profile", profile.start, profile.steps, profile.flops)] if profile.steps else []
-        self.callbacks = [*tensorboard, MemoryCensus(), Progress(), *callbacks, *profiler, signal_stop]
+        self.callbacks = [*trackers, MemoryCensus(), Progress(), *callbacks, *profiler, signal_stop]
 
     def save(self) -> Path:
         "Checkpoint the run after the current step (every rank takes part); returns the checkpoint's folder."
