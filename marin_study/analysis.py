@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from .trainer.metrics import EVAL_BPB, EVAL_LOSS, MOE_MAX_LOAD, MOE_MIN_LOAD, moe_layer_key, parse_moe_layer_key
+from .trainer.metrics import EVAL_BPB, EVAL_LOSS, MFU_CONVENTION, MOE_MAX_LOAD, MOE_MIN_LOAD, moe_layer_key, parse_moe_layer_key
 from .utils import JsonLinesError, json_lines
 
 # %% auto #0
@@ -90,7 +90,7 @@ def load_curves(path: str | os.PathLike, mapping: dict[str, str] | None = None, 
         if needed not in df.columns:
             raise AnalysisError(f"{path}: no '{needed}' column (columns: {', '.join(map(str, df.columns))}); pass "
                                 f"mapping={{'{needed}': '<column>'}} (or --map {needed}=<column>)")
-    df = df.apply(lambda col: pd.to_numeric(col, errors="coerce") if col.dtype == object and col.name not in ("skip_reason",) else col)
+    df = df.apply(lambda col: pd.to_numeric(col, errors="coerce") if col.dtype == object and col.name not in ("skip_reason", MFU_CONVENTION) else col)
     df = df.dropna(subset=["step"])
     df["step"] = df["step"].astype(np.int64)
     if not df["step"].is_monotonic_increasing:
