@@ -18,7 +18,7 @@ pip() { .venv/bin/python -m pip --quiet "$@"; }
 # torch first: the package only asks for torch>=2.9, which on PyPI means a multi-GB CUDA build.
 if ! .venv/bin/python -c 'import torch' 2>/dev/null; then
   if command -v nvidia-smi >/dev/null 2>&1; then
-    pip install 'torch>=2.9'
+    pip install 'torch>=2.9' nvidia-ml-py  # NVML: the GPU utilisation in metrics.jsonl
   else
     # The CPU build from the configured indexes or find-links (a wheel on disk) if one has it; else PyTorch's CPU index.
     pip install 'torch==2.13.0+cpu' 2>/dev/null \

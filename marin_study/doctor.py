@@ -117,9 +117,10 @@ def check_deepspeed() -> Check:
     from deepspeed.env_report import get_shm_size
     from deepspeed.git_version_info import installed_ops
     from deepspeed.ops.op_builder.all_ops import ALL_OPS
-    from deepspeed.ops.op_builder.builder import probe_is_compatible
     from torch.utils.cpp_extension import is_ninja_available
     acc, ninja = get_accelerator(), is_ninja_available()
+    try: from deepspeed.ops.op_builder.builder import probe_is_compatible  # ds_report's own probe since 0.19
+    except ImportError: probe_is_compatible = lambda builder, verbose: builder.is_compatible(verbose)
     compatible = sum(bool(probe_is_compatible(b, False)) for b in ALL_OPS.values())
     installed = sum(bool(v) for v in installed_ops.values())
     shm, shm_warnings = get_shm_size()
@@ -173,8 +174,9 @@ def check_all_reduce(megabytes: float | None = None, timeout: float = 120) -> Ch
         return Check("all-reduce", "fail", f"2 processes on {backend} failed: {err[-1][:300]}", fix)
     result = json.loads(outs[0][0].strip().splitlines()[-1])
     if not result["correct"]: return Check("all-reduce", "fail", f"{backend} returned a wrong sum", fix)
+    untested = "; NCCL not tested: it needs 2 GPUs here" if torch.cuda.device_count() == 1 else ""
     return Check("all-reduce", "ok", f"{backend}, 2 processes, {megabytes:g} MB: "
-                 f"{megabytes * 2**20 / result['seconds'] / 1e9:.2f} GB/s ({result['seconds'] * 1e3:.1f} ms)")
+                 f"{megabytes * 2**20 / result['seconds'] / 1e9:.2f} GB/s ({result['seconds'] * 1e3:.1f} ms){untested}")
 
 # %% ../nbs/14_doctor.ipynb #e6697c23
 def checkpoint_bytes(params: Params) -> float:
@@ -203,7 +205,7 @@ def _existing(path: Path) -> Path:
 # %% ../nbs/14_doctor.ipynb #6faf5bf1
 def check_run_dir(run_dir: str | os.PathLike, params: Params) -> list[Check]:
     "Writable, free space against the checkpoints the run will hold, and write speed, of the run folder."
-    from marin_study.launch import SIGNAL_LEAD
+    from marin_study.launch import signal_lead
     base, size = _existing(Path(run_dir)), checkpoint_bytes(params)
     need, stat = size * checkpoints_held(params), os.statvfs(base)
     free = stat.f_bavail * stat.f_frsize
@@ -225,7 +227,7 @@ def check_run_dir(run_dir: str | os.PathLike, params: Params) -> list[Check]:
                       f"make {base} writable (its owner, mode or mount), or pass --run-dir on a writable disk"), space]
     speed = blocks * chunk / seconds
     writable = Check("run folder", "ok", f"{where} is writable")
-    slow = size / speed > SIGNAL_LEAD / 2
+    slow = size / speed > signal_lead(params.launch.time) / 2
     rate = Check("write speed", "warn" if slow else "ok", f"{speed / 1e6:,.0f} MB/s: one checkpoint in {size / speed:.1f} s",
                  "put the run folder on a faster disk (local NVMe or the parallel file system)")
     return [writable, space, rate]

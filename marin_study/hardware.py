@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 # %% auto #0
-__all__ = ['GB', 'HARDWARE', 'ALIASES', 'HardwareError', 'Device', 'device']
+__all__ = ['GB', 'HARDWARE', 'ALIASES', 'HardwareError', 'Device', 'device', 'gpu_device']
 
 # %% ../nbs/03_hardware.ipynb #2b4df378
 class HardwareError(ValueError):
@@ -40,3 +40,13 @@ def device(name: str) -> Device:
         raise HardwareError(f"unknown device {name!r}; the catalogue has {', '.join(HARDWARE)} "
                         f"(add an entry to marin_study.hardware.HARDWARE for another)")
     return HARDWARE[key]
+
+# %% ../nbs/03_hardware.ipynb #c81d3e02
+def gpu_device(cuda_name: str, memory: float) -> Device | None:
+    "The catalogue entry of a GPU as CUDA names it (e.g. 'NVIDIA H100 80GB HBM3'), `memory` in bytes; None if not there."
+    name = cuda_name.lower()
+    if "pcie" in name or "nvl" in name: return None
+    for key in ("gb200", "b200", "h200", "h100"):
+        if key in name: return HARDWARE[key]
+    if "a100" in name: return HARDWARE["a100-40gb" if memory < 60 * GB else "a100-80gb"]
+    return None

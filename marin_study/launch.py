@@ -15,7 +15,7 @@ from pathlib import Path
 import yaml
 
 from .config import Params, YamlLoader, dump_params, load_params, parse_value, save_params
-from .utils import atomic_write, split_assignment
+from .utils import atomic_write, git_state, split_assignment
 from .layout import Layout, layout_refusals
 from .parallelism import write_launch_configs
 from .studies import run_study, study_parameters
@@ -134,13 +134,9 @@ def render_sbatch(params: Params, run_dir: str | Path, launcher: str = "accelera
 
 # %% ../nbs/11_launch.ipynb #93bb01dd
 def git_commit(project: str | Path = ".") -> str:
-    "The project's commit, with '+dirty' when tracked files changed; 'unknown' outside git."
-    def git(*args):
-        return subprocess.run(["git", *args], cwd=project, capture_output=True, text=True, timeout=30)
-    try: head = git("rev-parse", "HEAD")
-    except OSError: return "unknown"  # no git here
-    if head.returncode: return "unknown"
-    return head.stdout.strip() + ("+dirty" if git("status", "--porcelain", "--untracked-files=no").stdout.strip() else "")
+    "The project's commit (chapter 00's `git_state`), with '+dirty' when its sources changed; 'unknown' outside git."
+    state = git_state(project)
+    return (state["git_commit"] or "unknown") + ("+dirty" if state["git_dirty"] else "")
 
 def submit(script: Path, *extra: str) -> str:
     "Submit an sbatch script; the job id."

@@ -7,24 +7,24 @@ import hashlib
 import json
 import os
 import platform
-import subprocess
+import math
 import sys
+import warnings
 import time
 from importlib import metadata
 from pathlib import Path
 
 import yaml
 
-from .analysis import diagnose, load_curves
+from .analysis import AnalysisError, Finding, diagnose, load_curves
 from .config import Params, dump_params
 from .layout import Layout
 from .trainer.callbacks import Callback
 from .trainer.metrics import EVAL_BPB, EVAL_LOSS, LOSS, SKIP_REASON, SKIPPED, STEP, TOKENS, MetricsLog
-from .utils import atomic_write, kit_root
+from .utils import atomic_write, git_state
 
 # %% auto #0
-__all__ = ['PACKAGES', 'HEADLINE', 'params_hash', 'git_state', 'data_state', 'environment', 'outcome', 'render_markdown',
-           'RunCard']
+__all__ = ['PACKAGES', 'HEADLINE', 'params_hash', 'data_state', 'environment', 'outcome', 'render_markdown', 'RunCard']
 
 # %% ../nbs/08b_run_card.ipynb #d3469725
 PACKAGES = ("torch", "deepspeed", "accelerate", "transformers", "tokenizers", "numpy", "marin-study")
@@ -32,15 +32,6 @@ PACKAGES = ("torch", "deepspeed", "accelerate", "transformers", "tokenizers", "n
 def params_hash(params: Params) -> str:
     "SHA-256 of the params as the kit dumps them: equal params, equal hash."
     return hashlib.sha256(dump_params(params).encode()).hexdigest()
-
-def git_state(folder: str | os.PathLike | None = None) -> dict:
-    "The commit of the repository at `folder` (default: the kit's) and whether tracked files differ from it."
-    def git(*args):
-        done = subprocess.run(["git", "-C", str(folder or kit_root()), *args], capture_output=True, text=True, timeout=30)
-        return done.stdout.strip() if done.returncode == 0 else None
-    try: commit = git("rev-parse", "HEAD")
-    except OSError: commit = None  # no git on this machine
-    return {"git_commit": commit, "git_dirty": None if commit is None else bool(git("status", "--porcelain", "--untracked-files=no"))}
 
 def data_state(params: Params) -> dict:
     "The corpus's hash from data.dvc, and one hash over the token shards' meta.json files."
@@ -68,20 +59,23 @@ def environment() -> dict:
 # %% ../nbs/08b_run_card.ipynb #3fac73c8
 HEADLINE = (LOSS, EVAL_LOSS, EVAL_BPB)
 
+def _finite(value) -> bool: return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
 def outcome(run_dir: str | os.PathLike, params: Params) -> dict:
     "Final and best metrics, the target, skipped steps and the loss analysis's findings, from the run's metrics.jsonl."
     path = Path(run_dir) / "metrics.jsonl"
     records = MetricsLog(path).read() if path.exists() else []
     final, best = {}, {}
     for key in dict.fromkeys(HEADLINE + tuple(params.train.target)):
-        logged = [(r[key], r[STEP]) for r in records if isinstance(r.get(key), (int, float)) and not isinstance(r[key], bool)]
+        logged = [(r[key], r[STEP]) for r in records if not r.get(SKIPPED) and _finite(r.get(key))]
         if logged:
             final[key] = {"value": logged[-1][0], "step": logged[-1][1]}
             best[key] = dict(zip(("value", "step"), min(logged)))
     target = {key: {"goal": goal, "final": final.get(key, {}).get("value"), "met": key in final and final[key]["value"] <= goal}
               for key, goal in params.train.target.items()}
     skipped = [{"step": r[STEP], "reason": r.get(SKIP_REASON, "")} for r in records if r.get(SKIPPED)]
-    found = diagnose(load_curves(path), vocab_size=params.model.vocab_size) if records else []
+    try: found = diagnose(load_curves(path), vocab_size=params.model.vocab_size) if records else []
+    except AnalysisError as e: found = [Finding("bad_input", 0, 0, "error", {}, str(e))]  # e.g. every loss NaN
     findings = [{"kind": f.kind, "start_step": f.start_step, "end_step": f.end_step, "severity": f.severity,
                  "evidence": f.evidence, "action": f.action} for f in found]
     return {"final": final, "best": best, "target": target, "skipped_steps": skipped, "findings": findings}
@@ -93,7 +87,7 @@ def _duration(seconds: float) -> str: return f"{seconds / 3600:.2f} h" if second
 def render_markdown(card: dict) -> str:
     "RUN_CARD.md: the card for people, what a reader checks first at the top."
     dirty = " (uncommitted changes)" if card["git_dirty"] else ""
-    facts = [("params hash", f"`{card['params_hash'][:12]}`"), ("git commit", f"`{card['git_commit']}`{dirty}"),
+    facts = [("status", card["status"]), ("params hash", f"`{card['params_hash'][:12]}`"), ("git commit", f"`{card['git_commit']}`{dirty}"),
              ("data hash", f"`{card['data_hash']}` ({card['data_hash_from']})" if card["data_hash"] else "none (no data.dvc, no shards)"),
              ("world size, layout", f"{card['world_size']}, `{card['layout']}`"),
              ("steps, tokens", f"{card['steps']:,}, {card['tokens']:,}"), ("wall time", _duration(card["wall_time_s"])),
@@ -110,8 +104,10 @@ def render_markdown(card: dict) -> str:
     lines += [f"- [{f['severity']}] {f['kind']} at steps {f['start_step']}-{f['end_step']}: {f['action']}" for f in card["findings"]] or ["None."]
     skipped = ", ".join(f"{s['step']} ({s['reason']})" for s in card["skipped_steps"])
     lines += ["", "## Skipped steps", "", skipped or "None."]
-    lines += ["", "## Starts", "", "| started | from step | to step | world size | wall time (s) |", "|---|---|---|---|---|"]
-    lines += [f"| {l['started']} | {l['start_step']} | {l['end_step']} | {l['world_size']} | {l['wall_s']:.1f} |" for l in card["legs"]]
+    lines += ["", "## Starts", "", "| started | from step | to step | world size | wall time (s) | git commit | params hash |",
+              "|---|---|---|---|---|---|---|"]
+    lines += [f"| {l['started']} | {l['start_step']} | {l['end_step']} | {l['world_size']} | {l['wall_s']:.1f} | "
+              f"`{(l.get('git_commit') or '')[:12]}` | `{l.get('params_hash', '')[:12]}` |" for l in card["legs"]]
     hardware = card["hardware"]
     lines += ["", "## Environment", "", f"Python {card['python']}; " + ", ".join(f"{k} {v}" for k, v in card["packages"].items() if v) + ".",
               f"{hardware['host']}: {hardware['cpus']} CPUs ({hardware['machine']}), GPUs: {', '.join(hardware['gpus']) or 'none'}.",
@@ -119,36 +115,54 @@ def render_markdown(card: dict) -> str:
     return "\n".join(lines)
 
 # %% ../nbs/08b_run_card.ipynb #ad621468
+def _strict(value):
+    "The card as strict JSON: numpy numbers as floats, a non-finite one (a diverged loss in a finding) as null."
+    if isinstance(value, dict): return {k: _strict(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)): return [_strict(v) for v in value]
+    if hasattr(value, "item"): value = value.item()
+    return None if isinstance(value, float) and not math.isfinite(value) else value
+
 class RunCard(Callback):
     "run_card.json and RUN_CARD.md in the run folder, rewritten at the start, after each checkpoint and at the end (rank 0)."
-    def __init__(self): self.card = None
+    def __init__(self): self.card, self.created = None, time.perf_counter()  # a leg's wall time counts its start-up
 
     def on_fit_start(self, trainer):
         if trainer.rank != 0: return
-        previous = trainer.run_dir / "run_card.json"
-        legs = json.loads(previous.read_text()).get("legs", []) if previous.exists() else []
+        legs = self.earlier_legs(trainer.run_dir / "run_card.json")
+        state, digest = git_state(), params_hash(trainer.params)
         legs.append({"started": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "start_step": trainer.step, "end_step": trainer.step,
-                     "world_size": trainer.world_size, "wall_s": 0.0})
-        self.card = {"run_dir": str(trainer.run_dir), "params_hash": params_hash(trainer.params), **git_state(),
+                     "world_size": trainer.world_size, "wall_s": 0.0, "git_commit": state["git_commit"], "params_hash": digest})
+        self.card = {"run_dir": str(trainer.run_dir), "status": "running", "params_hash": digest, **state,
                      **data_state(trainer.params), "world_size": trainer.world_size,
                      "layout": str(Layout.from_params(trainer.params, trainer.world_size)), **environment(),
                      "params": trainer.params.to_dict(), "legs": legs}
-        self.started = time.perf_counter()
         self.write(trainer)
 
-    def write(self, trainer) -> None:
+    @staticmethod
+    def earlier_legs(path: Path) -> list[dict]:
+        "The starts an earlier card recorded; a card that cannot be read is set aside, not fatal to the run."
+        if not path.exists(): return []
+        try: return json.loads(path.read_text())["legs"]
+        except (ValueError, KeyError, TypeError) as e:
+            warnings.warn(f"{path}: unreadable run card ({e}); its earlier starts are dropped from the new one")
+            return []
+
+    def write(self, trainer, status: str = "running") -> None:
         "Bring the card up to the trainer's step and write both files atomically."
         t, legs = trainer.params.train, self.card["legs"]
-        legs[-1].update(end_step=trainer.step, wall_s=round(time.perf_counter() - self.started, 3))
-        self.card.update(updated=time.strftime("%Y-%m-%dT%H:%M:%S%z"), steps=trainer.step,
+        legs[-1].update(end_step=trainer.step, wall_s=round(time.perf_counter() - self.created, 3))
+        self.card.update(status=status, updated=time.strftime("%Y-%m-%dT%H:%M:%S%z"), steps=trainer.step,
                          tokens=trainer.step * t.global_batch * t.seq_len, wall_time_s=round(sum(l["wall_s"] for l in legs), 3),
                          restarts=len(legs) - 1, resumed_at=[l["start_step"] for l in legs[1:] if l["start_step"] > 0],
                          **outcome(trainer.run_dir, trainer.params))
-        atomic_write(trainer.run_dir / "run_card.json", json.dumps(self.card, indent=1, default=float) + "\n")
+        atomic_write(trainer.run_dir / "run_card.json", json.dumps(_strict(self.card), indent=1, allow_nan=False) + "\n")
         atomic_write(trainer.run_dir / "RUN_CARD.md", render_markdown(self.card))
 
     def on_save(self, trainer, folder):
         if self.card is not None: self.write(trainer)
 
     def on_fit_end(self, trainer):
-        if self.card is not None: self.write(trainer)
+        if self.card is not None: self.write(trainer, "ended")
+
+    def on_fit_error(self, trainer, error):
+        if self.card is not None: self.write(trainer, f"failed at step {trainer.step + 1}: {type(error).__name__}: {error}"[:500])

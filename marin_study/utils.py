@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -12,7 +13,7 @@ from typing import Any, Iterable, Iterator
 
 # %% auto #0
 __all__ = ['current_umask', 'atomic_write', 'JsonLinesError', 'json_lines', 'write_jsonl', 'split_assignment', 'progress',
-           'kit_root']
+           'kit_root', 'git_state']
 
 # %% ../nbs/00_utils.ipynb #58e97b02
 def current_umask() -> int:
@@ -81,3 +82,15 @@ def kit_root() -> Path:
     "The folder that holds the imported `marin_study` package: the repository of an editable install."
     import importlib.util
     return Path(importlib.util.find_spec("marin_study").origin).resolve().parents[1]
+
+# %% ../nbs/00_utils.ipynb #5a1c0e22
+def git_state(folder: str | os.PathLike | None = None) -> dict:
+    "The commit of the repository at `folder` (default: the kit's), and whether its tracked sources differ from it."
+    def git(*args):
+        done = subprocess.run(["git", "-C", str(folder or kit_root()), *args], capture_output=True, text=True, timeout=30)
+        return done.stdout.strip() if done.returncode == 0 else None
+    try:
+        commit = git("rev-parse", "HEAD")
+        changed = commit and git("status", "--porcelain", "--untracked-files=no", "--", ".", ":!dvc.lock", ":!reports")
+    except (OSError, subprocess.SubprocessError): commit = None  # no git on this machine, or it hangs
+    return {"git_commit": commit, "git_dirty": None if commit is None else bool(changed)}

@@ -20,7 +20,7 @@ def test_each_reference_run_reproduces_its_published_mfu_from_its_throughput(run
     assert run.peak_flops == pytest.approx(device(run.device).peak_flops, rel=0.001)  # the dense peak, as catalogued
 
 
-def test_the_table_has_three_sources_and_marins_row_is_the_hero_shape():
+def test_the_table_has_marin_and_three_more_runs_and_marins_row_is_the_hero_shape():
     assert len({r.source.split()[0] for r in REFERENCE_RUNS}) >= 2 and len(REFERENCE_RUNS) >= 3
     assert MARIN_535B == dataclasses.replace(HERO.model, qk_norm=False, rope_theta=MARIN_535B.rope_theta,
                                              logit_z_loss_weight=MARIN_535B.logit_z_loss_weight,

@@ -32,6 +32,7 @@ class Callback:
     def on_step_end(self, trainer, record: dict) -> None: pass
     def on_save(self, trainer, folder: Path) -> None: pass
     def on_fit_end(self, trainer) -> None: pass
+    def on_fit_error(self, trainer, error: BaseException) -> None: pass
     def close(self) -> None: pass
 
 # %% ../../nbs/07i_callbacks.ipynb #913a8600

@@ -11,17 +11,20 @@ import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+import torch
+
 from ..accounting import KIT, FlopsConvention, MFUError, mfu, model_flops_per_token
 from ..config import Params
-from ..hardware import GB, HardwareError, device
+from ..hardware import GB, Device, HardwareError, device, gpu_device
 from ..utils import json_lines
 
 # %% auto #0
 __all__ = ['STEP', 'TOKENS', 'LOSS', 'LOGIT_Z_LOSS', 'AUX_LOSS', 'ROUTER_Z_LOSS', 'LR', 'GRAD_NORM', 'MOE_MAX_LOAD',
            'MOE_MIN_LOAD', 'MOE_BIAS_NORM', 'SKIPPED', 'SKIP_REASON', 'BAD_STEPS', 'STEP_TIME', 'DATA_TIME',
            'TOKENS_PER_SEC', 'MFU', 'TFLOPS_PER_DEVICE', 'MFU_CONVENTION', 'PEAK_TFLOPS', 'GPU_MEM_ALLOCATED',
-           'GPU_MEM_RESERVED', 'EVAL_LOSS', 'EVAL_BPB', 'MOE_LAYER_METRICS', 'domain_key', 'eval_domains',
-           'moe_layer_key', 'parse_moe_layer_key', 'router_health', 'MetricsLog', 'Throughput']
+           'GPU_MEM_RESERVED', 'GPU_UTIL', 'EVAL_LOSS', 'EVAL_BPB', 'MOE_LAYER_METRICS', 'domain_key', 'eval_domains',
+           'moe_layer_key', 'parse_moe_layer_key', 'router_health', 'MetricsLog', 'Throughput', 'gpu_in_use',
+           'cuda_keys']
 
 # %% ../../nbs/07f_metrics.ipynb #462349fb
 STEP, TOKENS = "step", "tokens"
@@ -31,7 +34,7 @@ MOE_MAX_LOAD, MOE_MIN_LOAD, MOE_BIAS_NORM = "moe/max_load", "moe/min_load", "moe
 SKIPPED, SKIP_REASON, BAD_STEPS = "skipped", "skip_reason", "bad_steps"
 STEP_TIME, DATA_TIME, TOKENS_PER_SEC, MFU = "step_time", "data_time", "tokens_per_sec", "mfu"
 TFLOPS_PER_DEVICE, MFU_CONVENTION, PEAK_TFLOPS = "tflops_per_device", "mfu_convention", "peak_tflops"
-GPU_MEM_ALLOCATED, GPU_MEM_RESERVED = "gpu_mem_allocated_gb", "gpu_mem_reserved_gb"
+GPU_MEM_ALLOCATED, GPU_MEM_RESERVED, GPU_UTIL = "gpu_mem_allocated_gb", "gpu_mem_reserved_gb", "gpu_util"
 EVAL_LOSS, EVAL_BPB = "eval/loss", "eval/bpb"  # macro averages over the held-out domains
 
 
@@ -105,26 +108,44 @@ class MetricsLog:
 # %% ../../nbs/07f_metrics.ipynb #ee4b7366
 class Throughput:
     "The timing keys of a step: seconds, seconds waiting for data, tokens/s, TFLOP/s per device and, on a known GPU, MFU."
-    def __init__(self, params: Params, world_size: int, on_gpu: bool, convention: FlopsConvention = KIT):
+    def __init__(self, params: Params, world_size: int, gpu: Device | None, convention: FlopsConvention = KIT):
         t = params.train
         self.tokens_per_step, self.world_size, self.convention = t.global_batch * t.seq_len, world_size, convention
         self.flops_per_token = model_flops_per_token(params.model, t.seq_len, convention)
-        try: self.peak_flops = device(params.launch.device).peak_flops if on_gpu else None
-        except HardwareError: self.peak_flops = None
+        self.peak_flops = gpu.peak_flops if gpu else None
 
     def describe(self) -> dict[str, str | float]:
         "How `mfu` is counted: the FLOPs convention's name and the dense peak per device (no peak: no MFU)."
         return {MFU_CONVENTION: self.convention.name, **({PEAK_TFLOPS: self.peak_flops / 1e12} if self.peak_flops else {})}
 
-    def measure(self, start: float, data_time: float, gpu_memory: tuple[int, int] | None = None) -> dict[str, float]:
-        """The keys of a step that began at `start` (a `time.perf_counter()`) and ends now; `gpu_memory`: bytes
-        allocated and reserved, on CUDA."""
+    def measure(self, start: float, data_time: float) -> dict[str, float]:
+        "The keys of a step that began at `start` (a `time.perf_counter()`) and ends now."
         step_time = time.perf_counter() - start
         tokens_per_sec = self.tokens_per_step / step_time
         out = {STEP_TIME: step_time, DATA_TIME: data_time, TOKENS_PER_SEC: tokens_per_sec,
                TFLOPS_PER_DEVICE: self.flops_per_token * tokens_per_sec / self.world_size / 1e12}
         if self.peak_flops:
             try: out[MFU] = mfu(self.flops_per_token, tokens_per_sec, self.peak_flops, self.world_size)
-            except MFUError as e: warnings.warn(f"no mfu this step, launch.device={self.peak_flops / 1e12:g} TFLOP/s: {e}")
-        if gpu_memory is not None: out[GPU_MEM_ALLOCATED], out[GPU_MEM_RESERVED] = (b / GB for b in gpu_memory)
+            except MFUError as e: warnings.warn(f"no mfu this step (peak {self.peak_flops / 1e12:g} TFLOP/s): {e}")
         return out
+
+
+def gpu_in_use(params: Params) -> Device | None:
+    "The catalogue entry of this process's CUDA device (None on CPU, or with a warning where the catalogue lacks it)."
+    if not torch.cuda.is_available(): return None
+    name = torch.cuda.get_device_name()
+    found = gpu_device(name, torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory)
+    if found is None: warnings.warn(f"no MFU: {name} is not in marin_study.hardware.HARDWARE (add it with its dense peak)")
+    try: planned = device(params.launch.device)
+    except HardwareError: planned = None
+    if found and planned and planned != found:
+        warnings.warn(f"launch.device is {planned.name} but this GPU is {name}: MFU divides by the {found.name} peak")
+    return found
+
+
+def cuda_keys(cuda: torch.device) -> dict[str, float]:
+    "The allocator's GB allocated and reserved on `cuda`, and its utilisation in % where NVML answers."
+    out = {GPU_MEM_ALLOCATED: torch.cuda.memory_allocated(cuda) / GB, GPU_MEM_RESERVED: torch.cuda.memory_reserved(cuda) / GB}
+    try: out[GPU_UTIL] = float(torch.cuda.utilization(cuda))
+    except (ModuleNotFoundError, RuntimeError): pass  # no nvidia-ml-py, or a driver without NVML: the memory stays
+    return out

@@ -21,7 +21,7 @@ from .checkpointer import Checkpointer, initial_weights
 from .evaluation import HeldOut
 from .metrics import (
     AUX_LOSS, BAD_STEPS, EVAL_LOSS, GRAD_NORM, LOGIT_Z_LOSS, LOSS, LR, MOE_BIAS_NORM, MOE_MAX_LOAD, MOE_MIN_LOAD,
-    ROUTER_Z_LOSS, SKIP_REASON, SKIPPED, STEP, TOKENS, MetricsLog, Throughput, router_health)
+    ROUTER_Z_LOSS, SKIP_REASON, SKIPPED, STEP, TOKENS, MetricsLog, Throughput, cuda_keys, gpu_in_use, router_health)
 from .optim import GuardedAdamW, StepGuard, param_groups
 from .processes import TrainError, join_processes, make_accelerator, say, split_experts
 from .schedule import lr_at
@@ -78,7 +78,7 @@ class Trainer:
         self.step = self.checkpointer.restore(resume, self.engine, self.guard)
         self.loader = make_loader(params, self.rank, self.world_size, start_step=self.step)
         self.heldout = HeldOut(params, t.eval_samples, self.rank, self.world_size)
-        self.throughput = Throughput(params, self.world_size, on_gpu=torch.cuda.is_available())
+        self.throughput = Throughput(params, self.world_size, gpu_in_use(params))
         trackers = make_trackers(t.trackers, self.run_dir, params, self.step + 1) if self.rank == 0 else []
         profile = t.profile  # made only when asked for: a run without a profile pays nothing for it
         profiler = [Profiler(self.run_dir / "profile", profile.start, profile.steps, profile.flops)] if profile.steps else []
@@ -138,12 +138,11 @@ class Trainer:
             record = {STEP: self.step + 1, TOKENS: (self.step + 1) * t.global_batch * t.seq_len,
                       **self.train_step(micro_batches)}
             self.step += 1
-            memory = (torch.cuda.memory_allocated(self.device), torch.cuda.memory_reserved(self.device)) \
-                if self.device.type == "cuda" else None
-            record.update(self.throughput.measure(start, data_time, memory))
+            record.update(self.throughput.measure(start, data_time))
+            if self.device.type == "cuda": record.update(cuda_keys(self.device))
             if self.heldout.due(self.step):
                 record.update(self.heldout.evaluate(self.engine, t.micro_batch, self.autocast, self.device))
-            if self.rank == 0 and (self.step % t.log_every == 0 or EVAL_LOSS in record or self.step == self.until):
+            if self.rank == 0 and (self.step % t.log_every == 0 or EVAL_LOSS in record or SKIPPED in record or self.step == self.until):
                 self.metrics.write({**record, **how_mfu_is_counted})
                 how_mfu_is_counted = {}
                 for callback in self.callbacks: callback.on_log(self, record)
@@ -168,5 +167,8 @@ def train(params: Params, run_dir: str | os.PathLike, until: int | None = None,
     try:
         if trainer.rank == 0 and not (run_dir / "params.yaml").exists(): atomic_write(run_dir / "params.yaml", dump_params(params))
         return trainer.fit()
+    except BaseException as error:
+        for callback in trainer.callbacks: callback.on_fit_error(trainer, error)
+        raise
     finally:
         trainer.close()
