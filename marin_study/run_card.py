@@ -61,6 +61,13 @@ HEADLINE = (LOSS, EVAL_LOSS, EVAL_BPB)
 
 def _finite(value) -> bool: return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
+def _strict(value):
+    "The card as strict JSON: numpy numbers as floats, a non-finite one (a diverged loss in a finding) as null."
+    if isinstance(value, dict): return {k: _strict(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)): return [_strict(v) for v in value]
+    if hasattr(value, "item"): value = value.item()
+    return None if isinstance(value, float) and not math.isfinite(value) else value
+
 def outcome(run_dir: str | os.PathLike, params: Params) -> dict:
     "Final and best metrics, the target, skipped steps and the loss analysis's findings, from the run's metrics.jsonl."
     path = Path(run_dir) / "metrics.jsonl"
@@ -115,13 +122,6 @@ def render_markdown(card: dict) -> str:
     return "\n".join(lines)
 
 # %% ../nbs/08b_run_card.ipynb #ad621468
-def _strict(value):
-    "The card as strict JSON: numpy numbers as floats, a non-finite one (a diverged loss in a finding) as null."
-    if isinstance(value, dict): return {k: _strict(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)): return [_strict(v) for v in value]
-    if hasattr(value, "item"): value = value.item()
-    return None if isinstance(value, float) and not math.isfinite(value) else value
-
 class RunCard(Callback):
     "run_card.json and RUN_CARD.md in the run folder, rewritten at the start, after each checkpoint and at the end (rank 0)."
     def __init__(self): self.card, self.created = None, time.perf_counter()  # a leg's wall time counts its start-up
