@@ -104,8 +104,13 @@ def test_dvc_repro_trains_the_tiny_study_reports_on_it_and_a_second_repro_resume
     # the pipeline's mechanics, not the suite's numbers: 32 documents per task keep the three evaluations short
     stages = project_copy / "dvc.yaml"
     stages.write_text(stages.read_text().replace("--every 100 --out", "--every 100 --limit 32 --out"))
+    # the project's DVC cache, as a team shares one: stages a `dvc repro` here already ran (the data stages, the eval
+    # suite) come from its run cache in seconds, not 80 s (tests/test_data.py reruns them); training always runs,
+    # since a persistent output is never restored from the run cache
+    run(["dvc", "config", "--local", "cache.dir", str(ROOT / ".dvc/cache")], cwd=project_copy)
     result = run(["dvc", "repro", "report"], cwd=project_copy)
-    assert all(f"Running stage '{stage}'" in result.stdout for stage in ("train", "evalset", "eval", "report"))
+    assert all(f"Running stage '{stage}'" in result.stdout for stage in ("train", "eval", "report"))
+    assert all(f"stage '{s}'" in result.stdout.lower() for s in ("clean", "tokenizer", "pack", "evalset"))  # ran or restored
     findings = json.loads((project_copy / "reports/loss_findings.json").read_text())["train_tiny"]
     card = json.loads((project_copy / "reports/train_tiny_run_card.json").read_text())
     assert card["resumed_at"] == [150] and card["steps"] == 300 and card["git_commit"] and card["data_hash"]
