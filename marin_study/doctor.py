@@ -18,14 +18,15 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from .config import Params, load_params
+from .hardware import cpu_bf16
 from .layout import Layout
 from .trainer.deepspeed import model_state_memory
 from .utils import kit_root
 
 # %% auto #0
-__all__ = ['STATUSES', 'Check', 'table', 'report', 'pins', 'check_python', 'check_packages', 'check_torch', 'check_gpus',
-           'check_deepspeed', 'check_all_reduce', 'checkpoint_bytes', 'checkpoints_held', 'check_run_dir', 'cache_dirs',
-           'check_caches', 'check_corpus', 'check_shards', 'check_slurm', 'doctor']
+__all__ = ['STATUSES', 'Check', 'table', 'report', 'pins', 'check_python', 'check_packages', 'check_torch', 'check_bf16',
+           'check_gpus', 'check_deepspeed', 'check_all_reduce', 'checkpoint_bytes', 'checkpoints_held', 'check_run_dir',
+           'cache_dirs', 'check_caches', 'check_corpus', 'check_shards', 'check_slurm', 'doctor']
 
 # %% ../nbs/14_doctor.ipynb #8c6d720e
 STATUSES = ("ok", "warn", "fail")
@@ -99,6 +100,19 @@ def check_torch() -> Check:
     if torch.version.cuda and not torch.cuda.is_available():
         return Check("torch", "warn", detail + ", but it sees no GPU", "check nvidia-smi and CUDA_VISIBLE_DEVICES")
     return Check("torch", "ok", detail)
+
+def check_bf16(params: Params) -> Check:
+    "Whether this machine runs `train.dtype` bfloat16 natively; the CPU presets keep float32 where it would be emulated."
+    import torch
+    wanted = params.train.dtype == "bfloat16"
+    if torch.cuda.is_available():
+        if torch.cuda.is_bf16_supported(): return Check("bf16", "ok", f"native on {torch.cuda.get_device_name()}")
+        return Check("bf16", "fail" if wanted else "ok", f"{torch.cuda.get_device_name()} has no bf16",
+                     "set train.dtype=float32 (a GPU before Ampere)")
+    unit = cpu_bf16()
+    if unit: return Check("bf16", "ok", f"native on this CPU ({unit})")
+    return Check("bf16", "warn" if wanted else "ok", f"emulated on this CPU (no AMX, AVX512_BF16 or Arm BF16); "
+                 f"train.dtype is {params.train.dtype}", "set train.dtype=float32: emulated bf16 is slower than fp32")
 
 def check_gpus() -> Check:
     import torch
@@ -312,7 +326,8 @@ def doctor(params_path: str | os.PathLike, run_dir: str | os.PathLike | None = N
     with ThreadPoolExecutor(1) as pool:
         slurm = pool.submit(_guarded, "slurm", check_slurm, params)
         checks = [*_guarded("python", check_python, min_python), *_guarded("packages", check_packages, requirements),
-                  *_guarded("torch", check_torch), *_guarded("gpus", check_gpus), *_guarded("deepspeed", check_deepspeed),
+                  *_guarded("torch", check_torch), *_guarded("gpus", check_gpus), *_guarded("bf16", check_bf16, params),
+                  *_guarded("deepspeed", check_deepspeed),
                   *_guarded("all-reduce", check_all_reduce), *_guarded("run folder", check_run_dir, run_dir, params),
                   *_guarded("cache folders", check_caches), *_guarded("corpus", check_corpus, params),
                   *_guarded("shards", check_shards, params, str(params_path))]

@@ -3,10 +3,12 @@
 # %% ../nbs/03_hardware.ipynb #65ea0465
 from __future__ import annotations
 
+import platform
 from dataclasses import dataclass
+from pathlib import Path
 
 # %% auto #0
-__all__ = ['GB', 'HARDWARE', 'ALIASES', 'HardwareError', 'Device', 'device', 'gpu_device']
+__all__ = ['GB', 'HARDWARE', 'ALIASES', 'HardwareError', 'Device', 'device', 'gpu_device', 'cpu_bf16']
 
 # %% ../nbs/03_hardware.ipynb #2b4df378
 class HardwareError(ValueError):
@@ -49,4 +51,16 @@ def gpu_device(cuda_name: str, memory: float) -> Device | None:
     for key in ("gb200", "b200", "h200", "h100"):
         if key in name: return HARDWARE[key]
     if "a100" in name: return HARDWARE["a100-40gb" if memory < 60 * GB else "a100-80gb"]
+    return None
+
+# %% ../nbs/03_hardware.ipynb #c81d3e05
+def cpu_bf16() -> str | None:
+    "The instructions this CPU runs bf16 matmuls with (AMX, AVX512_BF16, Arm BF16), or None where bf16 is emulated."
+    import torch
+    if getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)(): return "AMX"
+    if getattr(torch.cpu, "_is_avx512_bf16_supported", lambda: False)(): return "AVX512_BF16"
+    if platform.machine() in ("aarch64", "arm64") and Path("/proc/cpuinfo").exists():
+        features = {f for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("Features")
+                    for f in line.split(":", 1)[1].split()}
+        if "bf16" in features: return "Arm BF16"
     return None

@@ -13,7 +13,8 @@ import pytest
 
 from conftest import ROOT, run
 from marin_study.config import load_params
-from marin_study.doctor import check_run_dir, check_shards, checkpoint_bytes, checkpoints_held
+from marin_study import doctor
+from marin_study.doctor import check_bf16, check_run_dir, check_shards, checkpoint_bytes, checkpoints_held
 
 DOCTOR = [sys.executable, "-c", "import sys; from marin_study.cli import main; sys.exit(main())", "doctor"]
 
@@ -60,7 +61,7 @@ def test_doctor_on_this_machine_passes_with_json_and_a_table(shards, tmp_path):
     checks = by_name(result)
     assert out.returncode == 0 and result["ok"], out.stdout + out.stderr[-2000:]
     assert all(c["status"] in ("ok", "warn", "fail") and c["detail"] for c in result["checks"])
-    for name in ("python", "packages", "torch", "gpus", "deepspeed", "all-reduce", "run folder", "disk space",
+    for name in ("python", "packages", "torch", "gpus", "bf16", "deepspeed", "all-reduce", "run folder", "disk space",
                  "write speed", "cache folders", "shards", "loader"):
         assert checks[name]["status"] == "ok", checks[name]
     assert "GB/s" in checks["all-reduce"]["detail"] and "samples/s" in checks["loader"]["detail"]
@@ -119,3 +120,13 @@ def test_a_disk_too_small_faked_in_process(tmp_path, monkeypatch):
 def test_bad_params_are_one_line_not_a_traceback():
     out = run([*DOCTOR, "no/such.yaml"], check=False, timeout=120)
     assert out.returncode == 2 and "no/such.yaml: (file): does not exist" in out.stderr and "Traceback" not in out.stderr
+
+
+def test_bf16_params_on_a_cpu_that_would_emulate_it_get_a_warning_and_the_fix(monkeypatch):
+    import torch
+    if torch.cuda.is_available(): pytest.skip("on a GPU machine the GPU answers for bf16, not the CPU")
+    small, tiny = load_params(ROOT / "params/small.yaml"), load_params(ROOT / "params/tiny.yaml")
+    monkeypatch.setattr(doctor, "cpu_bf16", lambda: None)  # a CPU without AMX or AVX512_BF16 (an AMD EPYC of CI's kind)
+    warned = check_bf16(small)
+    assert warned.status == "warn" and "emulated" in warned.detail and "train.dtype=float32" in warned.fix
+    assert check_bf16(tiny).status == "ok"  # the CPU preset trains in fp32 already

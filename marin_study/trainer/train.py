@@ -14,6 +14,7 @@ import torch.distributed as dist
 
 from ..config import Params, dump_params
 from ..data.mixture import make_loader
+from ..hardware import cpu_bf16
 from ..model import Transformer, use_recompute
 from .callbacks import (
     Callback, MemoryCensus, Profiler, Progress, SignalStop, make_trackers, missing_trackers)
@@ -73,6 +74,9 @@ class Trainer:
         resume = self.checkpointer.find()
         plugin.deepspeed_config["checkpoint"]["load_universal"] = resume is not None and resume.convert
         self.autocast = torch.autocast(self.device.type, dtype=torch.bfloat16) if t.dtype == "bfloat16" else nullcontext()
+        if t.dtype == "bfloat16" and self.device.type == "cpu" and not cpu_bf16():
+            say("warning: train.dtype=bfloat16 on a CPU without native bf16 (no AMX, AVX512_BF16 or Arm BF16) is "
+                "emulated, slower than float32: --set train.dtype=float32")
         if resume is not None and t.init_from: say(f"resuming {self.run_dir}: train.init_from applies to a new run only")
         self.engine, self.optimizer, self.guard = build_engine(params, self.accelerator, resuming=resume is not None)
         self.step = self.checkpointer.restore(resume, self.engine, self.guard)
