@@ -19,8 +19,8 @@ from .config import ModelConfig
 # %% auto #0
 __all__ = ['HAS_GROUPED_MM', 'RESIDUAL_OUTPUTS', 'RECOMPUTE_MODES', 'RMSNorm', 'rope_tables', 'apply_rope', 'sliding_window_mask',
            'Attention', 'SwiGLU', 'grouped_mm_supported', 'looped_mm', 'Experts', 'PermuteRows', 'inverse_permutation',
-           'RouterStats', 'expert_parallel', 'MoE', 'CrossEntropyZLoss', 'ModelOutput', 'Block', 'not_counting',
-           'Transformer', 'use_grouped_mm', 'use_recompute']
+           'RouterStats', 'expert_parallel', 'MoE', 'CrossEntropyZLoss', 'LinearCrossEntropyZ', 'ModelOutput', 'Block',
+           'not_counting', 'Transformer', 'use_grouped_mm', 'use_recompute']
 
 # %% ../nbs/05_model.ipynb #13a2d3a3
 class RMSNorm(nn.Module):
@@ -272,6 +272,41 @@ class CrossEntropyZLoss(torch.autograd.Function):
         grad_NV = probs_NV.mul_(row_N[:, None])  # in place: the probabilities are not needed again
         grad_NV.scatter_add_(1, safe_N[:, None], (-(keep_N * grad_ce) / n)[:, None])
         return grad_NV.to(ctx.logits_dtype), None
+
+# %% ../nbs/05_model.ipynb #f05e0002
+class LinearCrossEntropyZ(torch.autograd.Function):
+    "`ce + z_weight * z` of the head `x_ND @ w_VD.T` for `targets_N` (-1 ignored), chunk by chunk of rows; also ce and z."
+    @staticmethod
+    def forward(ctx, x_ND, w_VD, targets_N, z_weight: float, chunk: int = 128):
+        exact = torch.promote_types(x_ND.dtype, torch.float32)  # the softmax and the sums: fp32 at least, as for bf16
+        keep_N = targets_N >= 0
+        n = keep_N.sum().clamp(min=1).to(exact)
+        grad_x_ND, grad_w_VD = torch.empty_like(x_ND), torch.zeros_like(w_VD, dtype=exact)
+        sums_2 = torch.zeros(2, dtype=exact, device=x_ND.device)  # ce and z, summed over kept rows
+        for s in range(0, x_ND.shape[0], chunk):
+            x_cD, keep_c = x_ND[s:s + chunk], keep_N[s:s + chunk]
+            target_c = targets_N[s:s + chunk].clamp(min=0)
+            logits_cV = (x_cD @ w_VD.T).to(exact)
+            max_c1 = logits_cV.amax(dim=-1, keepdim=True)
+            p_cV = (logits_cV - max_c1).exp_()
+            total_c1 = p_cV.sum(dim=-1, keepdim=True)
+            lse_c = (max_c1 + total_c1.log()).squeeze(1)
+            picked_c = logits_cV.gather(1, target_c[:, None]).squeeze(1)
+            sums_2 += torch.stack([((lse_c - picked_c) * keep_c).sum(), (lse_c.square() * keep_c).sum()])
+            p_cV.div_(total_c1).mul_((keep_c * (1 + 2 * z_weight * lse_c) / n)[:, None])  # d loss / d logits ...
+            p_cV.scatter_add_(1, target_c[:, None], (-(keep_c / n)).to(exact)[:, None])  # ... minus the target's
+            grad_x_ND[s:s + chunk] = p_cV.to(x_ND.dtype) @ w_VD
+            grad_w_VD.addmm_(p_cV.T, x_cD.to(exact))
+        ce, z = sums_2 / n
+        ctx.save_for_backward(grad_x_ND, grad_w_VD.to(w_VD.dtype))
+        ctx.mark_non_differentiable(ce, z)
+        return ce + z_weight * z, ce, z
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_loss, grad_ce, grad_z):
+        grad_x_ND, grad_w_VD = ctx.saved_tensors
+        return grad_x_ND * grad_loss, grad_w_VD * grad_loss, None, None, None
 
 # %% ../nbs/05_model.ipynb #ec33b5c9
 class ModelOutput(NamedTuple):
