@@ -17,10 +17,11 @@ from torch.utils.checkpoint import checkpoint
 from .config import ModelConfig
 
 # %% auto #0
-__all__ = ['HAS_GROUPED_MM', 'RESIDUAL_OUTPUTS', 'RECOMPUTE_MODES', 'RMSNorm', 'rope_tables', 'apply_rope', 'sliding_window_mask',
-           'Attention', 'SwiGLU', 'grouped_mm_supported', 'looped_mm', 'Experts', 'PermuteRows', 'inverse_permutation',
-           'RouterStats', 'expert_parallel', 'MoE', 'CrossEntropyZLoss', 'LinearCrossEntropyZ', 'ModelOutput', 'Block',
-           'not_counting', 'Transformer', 'use_grouped_mm', 'use_recompute']
+__all__ = ['HAS_GROUPED_MM', 'RESIDUAL_OUTPUTS', 'RECOMPUTE_MODES', 'RMSNorm', 'rope_tables', 'rotate', 'Rope', 'apply_rope',
+           'sliding_window_mask', 'Attention', 'SwiGLU', 'grouped_mm_supported', 'looped_mm', 'Experts', 'PermuteRows',
+           'inverse_permutation', 'sum_rows', 'DispatchRows', 'CombineRows', 'RouterStats', 'expert_parallel', 'MoE',
+           'LinearCrossEntropyZ', 'ModelOutput', 'Block', 'not_counting', 'Transformer', 'use_grouped_mm',
+           'use_recompute']
 
 # %% ../nbs/05_model.ipynb #13a2d3a3
 class RMSNorm(nn.Module):
@@ -37,9 +38,29 @@ def rope_tables(head_dim: int, max_seq_len: int, theta: float, device=None) -> t
     angles_Td = torch.outer(torch.arange(max_seq_len, device=device, dtype=torch.float32), inv_freq).repeat(1, 2)
     return angles_Td.cos(), angles_Td.sin()
 
-def apply_rope(x_BHTd, cos_Td, sin_Td):
-    x1, x2 = x_BHTd.chunk(2, dim=-1)
-    return x_BHTd * cos_Td.to(x_BHTd.dtype) + torch.cat((-x2, x1), dim=-1) * sin_Td.to(x_BHTd.dtype)
+def rotate(x, cos, sin, sign: int = 1):
+    "`x * cos + sign * cat(-x2, x1) * sin`, the halves of `sin` being equal (as `rope_tables` makes them)."
+    h = x.shape[-1] // 2
+    out = x * cos
+    out[..., :h].addcmul_(x[..., h:], sin[..., :h], value=-sign)
+    out[..., h:].addcmul_(x[..., :h], sin[..., h:], value=sign)
+    return out
+
+class Rope(torch.autograd.Function):
+    "Rotary embedding of `x` (..., d) by tables broadcastable to it; the backward rotates the gradient back."
+    @staticmethod
+    def forward(ctx, x, cos, sin):
+        ctx.save_for_backward(cos, sin)
+        return rotate(x, cos, sin)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad):
+        cos, sin = ctx.saved_tensors
+        return rotate(grad, cos, sin, sign=-1), None, None
+
+def apply_rope(x, cos, sin):
+    return Rope.apply(x, cos.to(x.dtype), sin.to(x.dtype))
 
 # %% ../nbs/05_model.ipynb #29f8bc42
 def sliding_window_mask(T: int, window: int, device=None) -> torch.Tensor:
@@ -70,12 +91,13 @@ class Attention(nn.Module):
     def forward(self, x_BTD, cos_Td, sin_Td):
         B, T, _ = x_BTD.shape
         q, k, v = self.qkv(x_BTD).split([self.H * self.d, self.K * self.d, self.K * self.d], dim=-1)
-        q_BHTd = q.view(B, T, self.H, self.d).transpose(1, 2)
-        k_BKTd = k.view(B, T, self.K, self.d).transpose(1, 2)
-        v_BKTd = v.view(B, T, self.K, self.d).transpose(1, 2)
+        q_BTHd, k_BTKd = q.view(B, T, self.H, self.d), k.view(B, T, self.K, self.d)
         if self.q_norm is not None:
-            q_BHTd, k_BKTd = self.q_norm(q_BHTd), self.k_norm(k_BKTd)
-        q_BHTd, k_BKTd = apply_rope(q_BHTd, cos_Td[:T], sin_Td[:T]), apply_rope(k_BKTd, cos_Td[:T], sin_Td[:T])
+            q_BTHd, k_BTKd = self.q_norm(q_BTHd), self.k_norm(k_BTKd)
+        cos_T1d, sin_T1d = cos_Td[:T, None], sin_Td[:T, None]
+        q_BHTd = apply_rope(q_BTHd, cos_T1d, sin_T1d).transpose(1, 2)
+        k_BKTd = apply_rope(k_BTKd, cos_T1d, sin_T1d).transpose(1, 2)
+        v_BKTd = v.view(B, T, self.K, self.d).transpose(1, 2)
         if self.recompute: y_BHTd = checkpoint(self.core, q_BHTd, k_BKTd, v_BKTd, use_reentrant=False)
         else: y_BHTd = self.core(q_BHTd, k_BKTd, v_BKTd)
         return self.out(y_BHTd.transpose(1, 2).reshape(B, T, self.H * self.d))
@@ -118,14 +140,14 @@ class Experts(nn.Module):
         self.gate_up_EDF = nn.Parameter(self.gate_up_EDF[start:end].clone())
         self.down_EFD = nn.Parameter(self.down_EFD[start:end].clone())
 
-    def forward(self, x_MD, offsets_E):
+    def forward(self, x_MD, offsets_E, w_M):
         def mm(x, w):
             if self.grouped and grouped_mm_supported(x, w): return torch._grouped_mm(x, w, offs=offsets_E)
             return looped_mm(x, w, offsets_E)
         if torch.is_autocast_enabled(x_MD.device.type):  # _grouped_mm is not an autocast op: cast as a Linear would
             x_MD = x_MD.to(torch.get_autocast_dtype(x_MD.device.type))
         gate_MF, up_MF = mm(x_MD, self.gate_up_EDF.to(x_MD.dtype)).chunk(2, dim=-1)
-        return mm(F.silu(gate_MF) * up_MF, self.down_EFD.to(x_MD.dtype))
+        return mm(F.silu(gate_MF) * (up_MF * w_M.to(x_MD.dtype)[:, None]), self.down_EFD.to(x_MD.dtype))
 
 # %% ../nbs/05_model.ipynb #0505579f
 class PermuteRows(torch.autograd.Function):
@@ -144,25 +166,57 @@ def inverse_permutation(order_M: torch.Tensor) -> torch.Tensor:
     "The permutation that undoes `order_M`, by a scatter (no second sort)."
     return torch.empty_like(order_M).scatter_(0, order_M, torch.arange(order_M.numel(), device=order_M.device))
 
+def sum_rows(y_MD, unsort_M, k: int):
+    "Each token's `k` rows of the expert-sorted `y_MD`, summed in a fixed order: a gather, then a sum."
+    return y_MD.index_select(0, unsort_M).view(-1, k, y_MD.shape[-1]).sum(dim=1)
+
+class DispatchRows(torch.autograd.Function):
+    "Row `token_M[m]` of `x_ND` for each expert-sorted pair; the backward is `sum_rows`, not a scatter-add."
+    @staticmethod
+    def forward(ctx, x_ND, token_M, unsort_M, k: int):
+        ctx.save_for_backward(unsort_M)
+        ctx.k = k
+        return x_ND.index_select(0, token_M)
+
+    @staticmethod
+    def backward(ctx, grad_MD):
+        (unsort_M,) = ctx.saved_tensors
+        return sum_rows(grad_MD, unsort_M, ctx.k), None, None, None
+
+class CombineRows(torch.autograd.Function):
+    "`sum_rows` of the experts' output; the backward is the dispatch's gather."
+    @staticmethod
+    def forward(ctx, y_MD, token_M, unsort_M, k: int):
+        ctx.save_for_backward(token_M)
+        return sum_rows(y_MD, unsort_M, k)
+
+    @staticmethod
+    def backward(ctx, grad_ND):
+        (token_M,) = ctx.saved_tensors
+        return grad_ND.index_select(0, token_M), None, None, None
+
 class RouterStats(NamedTuple):  # a NamedTuple: ZeRO-3 finds the tensors inside a module's output
     load_E: torch.Tensor          # tokens routed to each expert in this forward
     aux_loss: torch.Tensor | None
     z_loss: torch.Tensor | None
 
 # %% ../nbs/05_model.ipynb #5e1c9b22
-def expert_parallel(run_experts, x_MD, load_E, group) -> torch.Tensor:
-    """Rows `x_MD` sorted by expert (`load_E` each, E experts) through experts split over `group`'s P ranks, rank r
-    holding experts `r E/P` to `(r+1) E/P - 1`; `run_experts(x, offsets)` runs this rank's. Same shape and order out."""
+def expert_parallel(run_experts, x_MD, w_M, load_E, group) -> torch.Tensor:
+    """Rows `x_MD` sorted by expert (`load_E` each, E experts) with their weights `w_M` through experts split over
+    `group`'s P ranks, rank r holding experts `r E/P` to `(r+1) E/P - 1`; `run_experts(x, offsets, w)` runs this
+    rank's. Same shape and order out."""
     P = dist.get_world_size(group)
     sent_PL = load_E.view(P, -1).contiguous()  # rows this rank sends to each rank's local experts
     got_PL = torch.empty_like(sent_PL)          # rows each rank sends to this rank's local experts
     dist.all_to_all_single(got_PL, sent_PL, group=group)
     send, receive = sent_PL.sum(1).tolist(), got_PL.sum(1).tolist()
     x_RD = all_to_all_single_autograd(x_MD.contiguous(), receive, send, group)
+    w_R = all_to_all_single_autograd(w_M.contiguous(), receive, send, group)
     local_R = torch.repeat_interleave(torch.arange(got_PL.shape[1], device=x_MD.device).repeat(P), got_PL.flatten())
     order_R = torch.argsort(local_R, stable=True)
     unsort_R = inverse_permutation(order_R)
-    y_RD = run_experts(PermuteRows.apply(x_RD, order_R, unsort_R), got_PL.sum(0).cumsum(0).to(torch.int32))
+    y_RD = run_experts(PermuteRows.apply(x_RD, order_R, unsort_R), got_PL.sum(0).cumsum(0).to(torch.int32),
+                       PermuteRows.apply(w_R, order_R, unsort_R))
     y_RD = PermuteRows.apply(y_RD, unsort_R, order_R)
     return all_to_all_single_autograd(y_RD, send, receive, group)
 
@@ -189,9 +243,9 @@ class MoE(nn.Module):
         self.experts.keep(r * self.E // P, (r + 1) * self.E // P)
         self.ep_group = group
 
-    def run_experts(self, x_MD, offsets_E):
-        if self.recompute: return checkpoint(self.experts, x_MD, offsets_E, use_reentrant=False)
-        return self.experts(x_MD, offsets_E)
+    def run_experts(self, x_MD, offsets_E, w_M):
+        if self.recompute: return checkpoint(self.experts, x_MD, offsets_E, w_M, use_reentrant=False)
+        return self.experts(x_MD, offsets_E, w_M)
 
     def route(self, x_ND):
         "Top-k expert ids (N, k), their combine weights (N, k), the fp32 logits and scores."
@@ -209,15 +263,15 @@ class MoE(nn.Module):
 
         expert_M = experts_Nk.flatten()
         order_M = torch.argsort(expert_M, stable=True)
-        unsort_M = inverse_permutation(order_M)
+        token_M, unsort_M = order_M // self.k, inverse_permutation(order_M)
         load_E = torch.bincount(expert_M, minlength=self.E)
         x_in = self.latent_down(x_ND) if self.latent_down is not None else x_ND
-        x_MD = PermuteRows.apply(x_in.unsqueeze(1).expand(-1, self.k, -1).reshape(-1, x_in.shape[-1]), order_M, unsort_M)
-        if self.ep_group is None: y_MD = self.run_experts(x_MD, load_E.cumsum(0).to(torch.int32))
-        else: y_MD = expert_parallel(self.run_experts, x_MD, load_E, self.ep_group)
+        x_MD = DispatchRows.apply(x_in, token_M, unsort_M, self.k)
+        w_M = PermuteRows.apply(weights_Nk.flatten(), order_M, unsort_M)
+        if self.ep_group is None: y_MD = self.run_experts(x_MD, load_E.cumsum(0).to(torch.int32), w_M)
+        else: y_MD = expert_parallel(self.run_experts, x_MD, w_M, load_E, self.ep_group)
 
-        y_NkD = PermuteRows.apply(y_MD, unsort_M, order_M).view(B * T, self.k, -1)
-        y_ND = (y_NkD * weights_Nk.unsqueeze(-1).to(y_NkD.dtype)).sum(dim=1)
+        y_ND = CombineRows.apply(y_MD, token_M, unsort_M, self.k)
         if self.latent_up is not None: y_ND = self.latent_up(y_ND)
         if self.shared is not None: y_ND = y_ND + self.shared(x_ND)
 
@@ -247,70 +301,53 @@ class MoE(nn.Module):
         self.routed_since_update.zero_()
         return load_E
 
-# %% ../nbs/05_model.ipynb #da444731
-class CrossEntropyZLoss(torch.autograd.Function):
-    "Mean cross-entropy and mean squared log-sum-exp of `logits_NV` for `targets_N` (-1 = ignored)."
-    @staticmethod
-    def forward(ctx, logits_NV, targets_N):
-        probs_NV = torch.softmax(logits_NV, dim=-1, dtype=torch.float32)  # no fp32 copy of bf16 logits
-        # the largest probability is 1 / sum(exp(x - max)), never tiny, so lse = max - log(p_max) is exact enough
-        lse_N = logits_NV.amax(dim=-1).float() - probs_NV.amax(dim=-1).log()
-        keep_N = targets_N >= 0
-        safe_N = targets_N.clamp(min=0)
-        n = keep_N.sum().clamp(min=1)
-        ce = ((lse_N - logits_NV.gather(1, safe_N[:, None]).squeeze(1).float()) * keep_N).sum() / n
-        z = (lse_N.square() * keep_N).sum() / n
-        ctx.save_for_backward(probs_NV, lse_N, safe_N, keep_N, n)
-        ctx.logits_dtype = logits_NV.dtype
-        return ce, z
-
-    @staticmethod
-    @torch.autograd.function.once_differentiable
-    def backward(ctx, grad_ce, grad_z):
-        probs_NV, lse_N, safe_N, keep_N, n = ctx.saved_tensors
-        row_N = keep_N * (grad_ce + 2 * grad_z * lse_N) / n
-        grad_NV = probs_NV.mul_(row_N[:, None])  # in place: the probabilities are not needed again
-        grad_NV.scatter_add_(1, safe_N[:, None], (-(keep_N * grad_ce) / n)[:, None])
-        return grad_NV.to(ctx.logits_dtype), None
-
 # %% ../nbs/05_model.ipynb #f05e0002
 class LinearCrossEntropyZ(torch.autograd.Function):
     "`ce + z_weight * z` of the head `x_ND @ w_VD.T` for `targets_N` (-1 ignored), chunk by chunk of rows; also ce and z."
     @staticmethod
     def forward(ctx, x_ND, w_VD, targets_N, z_weight: float, chunk: int = 128):
-        exact = torch.promote_types(x_ND.dtype, torch.float32)  # the softmax and the sums: fp32 at least, as for bf16
-        keep_N = targets_N >= 0
+        device, need_x, need_w = x_ND.device.type, *ctx.needs_input_grad[:2]
+        low = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x_ND.dtype  # the matmuls'
+        exact = torch.promote_types(low, torch.float32)   # the softmax and the sums
+        ctx.dtypes = x_ND.dtype, w_VD.dtype
+        keep_N, x_ND, w_VD = targets_N >= 0, x_ND.to(low), w_VD.to(low)
         n = keep_N.sum().clamp(min=1).to(exact)
-        grad_x_ND, grad_w_VD = torch.empty_like(x_ND), torch.zeros_like(w_VD, dtype=exact)
+        grad_x_ND = torch.empty_like(x_ND) if need_x else None
+        grad_w_VD = torch.zeros_like(w_VD, dtype=exact) if need_w else None
         sums_2 = torch.zeros(2, dtype=exact, device=x_ND.device)  # ce and z, summed over kept rows
-        for s in range(0, x_ND.shape[0], chunk):
-            x_cD, keep_c = x_ND[s:s + chunk], keep_N[s:s + chunk]
-            target_c = targets_N[s:s + chunk].clamp(min=0)
-            logits_cV = (x_cD @ w_VD.T).to(exact)
-            max_c1 = logits_cV.amax(dim=-1, keepdim=True)
-            p_cV = (logits_cV - max_c1).exp_()
-            total_c1 = p_cV.sum(dim=-1, keepdim=True)
-            lse_c = (max_c1 + total_c1.log()).squeeze(1)
-            picked_c = logits_cV.gather(1, target_c[:, None]).squeeze(1)
-            sums_2 += torch.stack([((lse_c - picked_c) * keep_c).sum(), (lse_c.square() * keep_c).sum()])
-            p_cV.div_(total_c1).mul_((keep_c * (1 + 2 * z_weight * lse_c) / n)[:, None])  # d loss / d logits ...
-            p_cV.scatter_add_(1, target_c[:, None], (-(keep_c / n)).to(exact)[:, None])  # ... minus the target's
-            grad_x_ND[s:s + chunk] = p_cV.to(x_ND.dtype) @ w_VD
-            grad_w_VD.addmm_(p_cV.T, x_cD.to(exact))
+        logits_buf = x_ND.new_empty(min(chunk, x_ND.shape[0]), w_VD.shape[0])  # reused: a fresh one per chunk page-faults
+        p_buf = logits_buf if low == exact else logits_buf.to(exact)
+        with torch.autocast(device, enabled=False):
+            for s in range(0, x_ND.shape[0], chunk):
+                x_cD, keep_c, target_c = x_ND[s:s + chunk], keep_N[s:s + chunk], targets_N[s:s + chunk].clamp(min=0)
+                logits_cV, p_cV = logits_buf[:len(x_cD)], p_buf[:len(x_cD)]
+                p_cV.copy_(torch.mm(x_cD, w_VD.T, out=logits_cV))
+                picked_c = p_cV.gather(1, target_c[:, None]).squeeze(1)
+                max_c1 = p_cV.amax(dim=-1, keepdim=True)
+                total_c1 = p_cV.sub_(max_c1).exp_().sum(dim=-1, keepdim=True)
+                lse_c = (max_c1 + total_c1.log()).squeeze(1)
+                sums_2 += torch.stack([((lse_c - picked_c) * keep_c).sum(), (lse_c.square() * keep_c).sum()])
+                if not (need_x or need_w): continue
+                p_cV.mul_((keep_c * (1 + 2 * z_weight * lse_c) / n)[:, None] / total_c1)  # d loss / d logits ...
+                p_cV.scatter_add_(1, target_c[:, None], (-(keep_c / n)).to(exact)[:, None])  # ... minus the target's
+                p_low = logits_cV.copy_(p_cV)
+                if need_x: torch.mm(p_low, w_VD, out=grad_x_ND[s:s + chunk])
+                if need_w and low == exact: grad_w_VD.addmm_(p_cV.T, x_cD)
+                elif need_w: grad_w_VD += p_low.T @ x_cD   # a bf16 matmul, as unfused; the sum over chunks in fp32
         ce, z = sums_2 / n
-        ctx.save_for_backward(grad_x_ND, grad_w_VD.to(w_VD.dtype))
+        ctx.save_for_backward(grad_x_ND, grad_w_VD)
         ctx.mark_non_differentiable(ce, z)
         return ce + z_weight * z, ce, z
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_loss, grad_ce, grad_z):
-        grad_x_ND, grad_w_VD = ctx.saved_tensors
-        return grad_x_ND * grad_loss, grad_w_VD * grad_loss, None, None, None
+        grads = [None if g is None else (g * grad_loss).to(dtype) for g, dtype in zip(ctx.saved_tensors, ctx.dtypes)]
+        return *grads, None, None, None
 
 # %% ../nbs/05_model.ipynb #ec33b5c9
 class ModelOutput(NamedTuple):
-    logits: torch.Tensor                       # (B, T, V)
+    logits: torch.Tensor | None                # (B, T, V); None with targets: the fused loss never makes them whole
     loss: torch.Tensor | None = None           # the training objective
     ce_loss: torch.Tensor | None = None
     logit_z_loss: torch.Tensor | None = None
@@ -398,17 +435,18 @@ class Transformer(nn.Module):
             x_BTD, layer_stats = self.run_block(block, x_BTD)
             if layer_stats is not None: stats.append(layer_stats)
         x_BTD = self.norm(x_BTD)
-        logits_BTV = F.linear(x_BTD, self.embed.weight if self.head is None else self.head.weight)
+        head_VD = self.embed.weight if self.head is None else self.head.weight
         load = torch.stack([s.load_E for s in stats]) if stats else None
-        if targets_BT is None: return ModelOutput(logits_BTV, expert_load=load)
+        if targets_BT is None: return ModelOutput(F.linear(x_BTD, head_VD), expert_load=load)
 
-        ce, logit_z = CrossEntropyZLoss.apply(logits_BTV.reshape(-1, logits_BTV.shape[-1]), targets_BT.reshape(-1))
-        loss = ce + self.cfg.logit_z_loss_weight * logit_z
+        chunk = 128 if x_BTD.device.type == "cpu" else 1024
+        loss, ce, logit_z = LinearCrossEntropyZ.apply(x_BTD.reshape(-1, x_BTD.shape[-1]), head_VD, targets_BT.reshape(-1),
+                                                      self.cfg.logit_z_loss_weight, chunk)
         aux = sum(s.aux_loss for s in stats) if self.cfg.aux_loss_weight and stats else None
         router_z = sum(s.z_loss for s in stats) if self.cfg.router_z_loss_weight and stats else None
         if aux is not None: loss = loss + self.cfg.aux_loss_weight * aux
         if router_z is not None: loss = loss + self.cfg.router_z_loss_weight * router_z
-        return ModelOutput(logits_BTV, loss, ce, logit_z, aux, router_z, load)
+        return ModelOutput(None, loss, ce, logit_z, aux, router_z, load)
 
 # %% ../nbs/05_model.ipynb #c04384cd
 def use_grouped_mm(model: nn.Module, enabled: bool = True) -> nn.Module:

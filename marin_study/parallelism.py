@@ -56,8 +56,8 @@ def layer_activation_terms(model: ModelConfig, layer: int, seq: int, batch: int,
                       # fp32 scores; per routed row an int64 id, fp32 and compute-type weights, two int64 sort orders
                       "router": tokens * (4 * m.n_experts + (28 + a) * m.top_k + (8 if m.aux_loss_weight else 4)),
                       "latent": a * tokens * m.latent_dim,
-                      "routed_rows": 2 * a * tokens * m.top_k * L,
-                      "routed_ffn": 4 * a * tokens * m.top_k * m.expert_ffn / tp if core else 0.0,
+                      "routed_rows": a * tokens * m.top_k * L,
+                      "routed_ffn": 5 * a * tokens * m.top_k * m.expert_ffn / tp if core else 0.0,
                       "shared_experts": 4 * a * tokens * m.n_shared_experts * m.shared_ffn / tp})
     else:
         terms.update({"mlp_input": a * tokens * h / rep, "mlp": 4 * a * tokens * (m.dense_ffn or m.expert_ffn) / tp})
@@ -66,7 +66,7 @@ def layer_activation_terms(model: ModelConfig, layer: int, seq: int, batch: int,
 # %% ../nbs/09_parallelism.ipynb #7b3e9f12
 def activation_bytes(model: ModelConfig, layout: Layout, seq: int, micro_batches: int, flash: bool = True,
                      act_bytes: int = 2, on_gpu: bool = True) -> float:
-    "Activation bytes on the most loaded GPU at its peak: the first stage's micro-batches in flight, or the last's logits."
+    "Activation bytes on the most loaded GPU at its peak: the first stage's micro-batches in flight, or the last's head."
     L, a, tokens, h = layout, act_bytes, seq * layout.micro_batch, model.hidden_size
     rep = L.tp if L.sp else 1
     terms = lambda i, r: layer_activation_terms(model, i, seq, L.micro_batch, L.tp, L.sp, flash, act_bytes=a,
@@ -77,17 +77,18 @@ def activation_bytes(model: ModelConfig, layout: Layout, seq: int, micro_batches
     rerun = max(e - k for e, k in zip(every, kept))   # what one layer's backward makes again
     span = model.n_layers // L.pp
     stage = max(sum(kept[s * span:(s + 1) * span]) for s in range(L.pp))
-    head = terms(0, "none")["norm_inputs"] / 2 + a * tokens * h / rep   # the final norm's keep, the head's input
-    logits = tokens * model.vocab_size / L.tp                            # held in the compute type, probs in fp32
+    V = model.vocab_size / L.tp
+    head = terms(0, "none")["norm_inputs"] / 2 + a * tokens * h / rep + 4 * V * h   # the final norm's keep, and the
+    chunk = min(tokens, 1024 if on_gpu else 128) * V                                # loss's input and fp32 weight grads
     first = stage * min(L.pp, micro_batches) + rerun
-    last = stage + head + a * logits + max(4 * logits, rerun)
+    last = stage + head + max((a + (4 if a < 4 else 0)) * chunk, rerun)   # one chunk's logits (and their fp32 copy)
     return max(first, last)
 
 # %% ../nbs/09_parallelism.ipynb #2f8d7c65
 @dataclass(frozen=True)
 class ActivationMeasure:
     "One forward and backward of the model on CPU: what it kept, its peak, its loss and gradients."
-    saved: int       # bytes of the storages autograd saved in forward, each once, plus the logits the output holds
+    saved: int       # bytes of the storages autograd saved in forward, each once
     peak: int        # the most bytes that tensors made in forward and backward held at once
     loss: float
     grads: tuple     # of every parameter, in `parameters()` order
@@ -138,7 +139,6 @@ def measure_activations(model_cfg: ModelConfig, modes=("none", "selective", "ful
         with _live_bytes_mode(existing) as live:
             with torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t):
                 result = model(tokens_BT[:, :-1], tokens_BT[:, 1:])
-            saved[result.logits.untyped_storage().data_ptr()] = result.logits.untyped_storage().nbytes()
             result.loss.backward()
         out[mode] = ActivationMeasure(sum(saved.values()), live.peak, result.loss.item(),
                                       tuple(p.grad.clone() for p in model.parameters()))

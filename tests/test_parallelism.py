@@ -93,14 +93,14 @@ def test_recomputation_and_sequence_parallel_shrink_activations_as_the_paper_say
 
 
 def test_the_activation_model_predicts_what_the_model_keeps_on_cpu():
-    "Issue 18: each recompute mode of the tiny model, run on CPU in fp32, kept and peaked within 25% of the planner."
+    "Issues 18, 20: each recompute mode of the tiny model, run on CPU in fp32, kept no more than the planner says, peaked within 25%."
     import torch
     model = PARAMS["tiny"].model
     measured = measure_activations(model, batch=4, seq=256)
     predicted = {mode: activation_bytes(model, Layout(micro_batch=4, recompute=mode), 256, 1, act_bytes=4, on_gpu=False)
                  for mode in measured}
     for mode, got in measured.items():
-        assert predicted[mode] == pytest.approx(got.saved, rel=0.25) and predicted[mode] == pytest.approx(got.peak, rel=0.25)
+        assert got.saved <= predicted[mode] and predicted[mode] == pytest.approx(got.peak, rel=0.25)
         assert got.loss == measured["none"].loss, "recomputation changed the loss"
         assert all(map(torch.equal, got.grads, measured["none"].grads)), "recomputation changed a gradient"
     for figures in (predicted, {m: g.saved for m, g in measured.items()}, {m: g.peak for m, g in measured.items()}):
