@@ -167,8 +167,12 @@ def inverse_permutation(order_M: torch.Tensor) -> torch.Tensor:
     return torch.empty_like(order_M).scatter_(0, order_M, torch.arange(order_M.numel(), device=order_M.device))
 
 def sum_rows(y_MD, unsort_M, k: int):
-    "Each token's `k` rows of the expert-sorted `y_MD`, summed in a fixed order: a gather, then a sum."
-    return y_MD.index_select(0, unsort_M).view(-1, k, y_MD.shape[-1]).sum(dim=1)
+    "Each token's `k` rows of the expert-sorted `y_MD`, summed in a fixed order, one gathered row per token at a time."
+    unsort_kN = unsort_M.view(-1, k).T
+    y_ND = y_MD.index_select(0, unsort_kN[0])
+    row_ND = torch.empty_like(y_ND)  # one token-sized buffer, reused: an (N k, D) copy costs more than the adds
+    for j in range(1, k): y_ND.add_(torch.index_select(y_MD, 0, unsort_kN[j], out=row_ND))
+    return y_ND
 
 class DispatchRows(torch.autograd.Function):
     "Row `token_M[m]` of `x_ND` for each expert-sorted pair; the backward is `sum_rows`, not a scatter-add."
