@@ -69,7 +69,7 @@ def main():
         if samples >= 4000: break
     loader_rate = samples / (time.perf_counter() - start)
     model = Transformer(params.model)
-    opt = torch.optim.AdamW(model.parameters(), lr=t.lr, fused=True)
+    opt = torch.optim.AdamW(model.parameters(), lr=t.lr)
     batch = next(iter(make_loader(params)))
     def train_step():
         for _ in range(t.global_batch // t.micro_batch):

@@ -111,7 +111,7 @@ def theirs(params, steps: int, warmup: int) -> tuple[dict, float]:
     torch.manual_seed(params.train.seed)
     like = dataclasses.replace(params, model=qwen3_like(params.model))
     model = hf_model(like.model).to(device).train()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=params.train.lr, fused=True)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=params.train.lr, fused=device.type == "cuda")
     autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=params.train.dtype == "bfloat16")
     batches = iter(make_loader(params))
     accumulation = params.train.global_batch // params.train.micro_batch

@@ -92,10 +92,9 @@ class GuardedAdamW(torch.optim.AdamW):
     """AdamW that clips by the global gradient norm of the whole step and skips the update when `guard` rejects it.
     DeepSpeed's ZeRO optimizers compute that norm over all ranks, then call `step` once per parameter group: point
     `norm_source` at them. Without ZeRO every rank holds the full averaged gradients and the norm is taken here; under
-    expert parallelism a rank holds only its experts' (marked `allreduce = False`), summed over `expert_group`.
-    Fused by default: one kernel over all parameters, where torch picks a per-tensor loop on CPU (5x slower here)."""
+    expert parallelism a rank holds only its experts' (marked `allreduce = False`), summed over `expert_group`."""
     def __init__(self, params, guard: StepGuard, grad_clip: float = 0.0, **kw):
-        super().__init__(params, **{"fused": True, **kw})
+        super().__init__(params, **kw)
         self.guard, self.grad_clip, self.norm_source, self.expert_group = guard, grad_clip, None, None
         self.loss, self.decision, self.stop = math.nan, None, None
 
