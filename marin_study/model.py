@@ -19,7 +19,7 @@ from .config import ModelConfig
 # %% auto #0
 __all__ = ['HAS_GROUPED_MM', 'RESIDUAL_OUTPUTS', 'RECOMPUTE_MODES', 'RMSNorm', 'rope_tables', 'rotate', 'Rope', 'apply_rope',
            'sliding_window_mask', 'Attention', 'SwiGLU', 'grouped_mm_supported', 'looped_mm', 'Experts', 'PermuteRows',
-           'inverse_permutation', 'sum_rows', 'DispatchRows', 'CombineRows', 'RouterStats', 'expert_parallel', 'MoE',
+           'inverse_permutation', 'RouterStats', 'sum_rows', 'DispatchRows', 'CombineRows', 'expert_parallel', 'MoE',
            'LinearCrossEntropyZ', 'ModelOutput', 'Block', 'not_counting', 'Transformer', 'use_grouped_mm',
            'use_recompute']
 
@@ -166,6 +166,12 @@ def inverse_permutation(order_M: torch.Tensor) -> torch.Tensor:
     "The permutation that undoes `order_M`, by a scatter (no second sort)."
     return torch.empty_like(order_M).scatter_(0, order_M, torch.arange(order_M.numel(), device=order_M.device))
 
+class RouterStats(NamedTuple):  # a NamedTuple: ZeRO-3 finds the tensors inside a module's output
+    load_E: torch.Tensor          # tokens routed to each expert in this forward
+    aux_loss: torch.Tensor | None
+    z_loss: torch.Tensor | None
+
+# %% ../nbs/05_model.ipynb #d15c0a02
 def sum_rows(y_MD, unsort_M, k: int):
     "Each token's `k` rows of the expert-sorted `y_MD`, summed in a fixed order, one gathered row per token at a time."
     unsort_kN = unsort_M.view(-1, k).T
@@ -198,11 +204,6 @@ class CombineRows(torch.autograd.Function):
     def backward(ctx, grad_ND):
         (token_M,) = ctx.saved_tensors
         return grad_ND.index_select(0, token_M), None, None, None
-
-class RouterStats(NamedTuple):  # a NamedTuple: ZeRO-3 finds the tensors inside a module's output
-    load_E: torch.Tensor          # tokens routed to each expert in this forward
-    aux_loss: torch.Tensor | None
-    z_loss: torch.Tensor | None
 
 # %% ../nbs/05_model.ipynb #5e1c9b22
 def expert_parallel(run_experts, x_MD, w_M, load_E, group) -> torch.Tensor:
