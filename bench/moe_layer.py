@@ -6,12 +6,12 @@ same thread count, same dtype, in one process. Qwen3-MoE has a softmax router, Q
 experts and no sliding window, so our model is configured the same way for the comparison. Transformers 5 runs its
 experts through torch._grouped_mm by default ("grouped_mm", the baseline); "eager" is its per-expert loop.
 
-A step is what training does: forward, backward and torch's fused AdamW step (Hugging Face Trainer's default optimizer
-since torch 2.8, and the kit's). Rounds alternate between the contenders so
-that both see the same machine state; each figure is the median of the rounds. bf16 (autocast) is measured only where
-the CPU runs it natively (AMX, AVX512_BF16, Arm BF16): elsewhere it is emulated and says nothing about either model.
-`--profile` prints the operators where each model's step spends its time. Ends with `ratio: X`, ours over Hugging
-Face's default, whole model, fp32.
+A step is what training does: forward, backward and torch's fused AdamW step, on both sides (Hugging Face Trainer's
+default optimizer since torch 2.8). Rounds alternate between the contenders so that both see the same machine state;
+each figure is the median of the rounds. bf16 (autocast) is measured only where the CPU runs it natively (AMX,
+AVX512_BF16, Arm BF16): elsewhere it is emulated and says nothing about either model. `--profile` prints the
+operators where each model's step spends its time. Ends with `ratio: X`, ours over Hugging Face's default, whole
+model, fp32.
 """
 import argparse
 import dataclasses
