@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 # %% auto #0
-__all__ = ['GB', 'HARDWARE', 'ALIASES', 'HardwareError', 'Device', 'device', 'gpu_device', 'cpu_bf16']
+__all__ = ['GB', 'HARDWARE', 'ALIASES', 'HardwareError', 'Device', 'device', 'gpu_device', 'cpu_bf16', 'loss_chunk_rows']
 
 # %% ../nbs/03_hardware.ipynb #2b4df378
 class HardwareError(ValueError):
@@ -64,3 +64,7 @@ def cpu_bf16() -> str | None:
                     for f in line.split(":", 1)[1].split()}
         if "bf16" in features: return "Arm BF16"
     return None
+
+def loss_chunk_rows(on_gpu: bool) -> int:
+    "Rows the fused head and loss (chapter 05) take at a time: on a CPU a chunk's logits stay in cache, a GPU wants big matmuls."
+    return 1024 if on_gpu else 128

@@ -15,6 +15,7 @@ from torch.distributed._functional_collectives import all_to_all_single_autograd
 from torch.utils.checkpoint import checkpoint
 
 from .config import ModelConfig
+from .hardware import loss_chunk_rows
 
 # %% auto #0
 __all__ = ['HAS_GROUPED_MM', 'RESIDUAL_OUTPUTS', 'RECOMPUTE_MODES', 'RMSNorm', 'rope_tables', 'rotate', 'Rope', 'apply_rope',
@@ -189,6 +190,7 @@ class DispatchRows(torch.autograd.Function):
         return x_ND.index_select(0, token_M)
 
     @staticmethod
+    @torch.autograd.function.once_differentiable
     def backward(ctx, grad_MD):
         (unsort_M,) = ctx.saved_tensors
         return sum_rows(grad_MD, unsort_M, ctx.k), None, None, None
@@ -201,6 +203,7 @@ class CombineRows(torch.autograd.Function):
         return sum_rows(y_MD, unsort_M, k)
 
     @staticmethod
+    @torch.autograd.function.once_differentiable
     def backward(ctx, grad_ND):
         (token_M,) = ctx.saved_tensors
         return grad_ND.index_select(0, token_M), None, None, None
@@ -444,9 +447,8 @@ class Transformer(nn.Module):
         load = torch.stack([s.load_E for s in stats]) if stats else None
         if targets_BT is None: return ModelOutput(F.linear(x_BTD, head_VD), expert_load=load)
 
-        chunk = 128 if x_BTD.device.type == "cpu" else 1024
         loss, ce, logit_z = LinearCrossEntropyZ.apply(x_BTD.reshape(-1, x_BTD.shape[-1]), head_VD, targets_BT.reshape(-1),
-                                                      self.cfg.logit_z_loss_weight, chunk)
+                                                      self.cfg.logit_z_loss_weight, loss_chunk_rows(x_BTD.device.type != "cpu"))
         aux = sum(s.aux_loss for s in stats) if self.cfg.aux_loss_weight and stats else None
         router_z = sum(s.z_loss for s in stats) if self.cfg.router_z_loss_weight and stats else None
         if aux is not None: loss = loss + self.cfg.aux_loss_weight * aux

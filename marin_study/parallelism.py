@@ -13,7 +13,7 @@ import yaml
 
 from .accounting import flops_per_token, mean_keys_per_query, param_breakdown, param_counts
 from .config import ModelConfig, Params, save_params
-from .hardware import GB, HARDWARE, Device, device
+from .hardware import GB, HARDWARE, Device, device, loss_chunk_rows
 from .layout import Layout, layout_refusals
 from .trainer.deepspeed import (Accounting, Precision, accelerate_config, bucket_elements, deepspeed_config,
                                            model_state_memory, shard_params)
@@ -79,7 +79,7 @@ def activation_bytes(model: ModelConfig, layout: Layout, seq: int, micro_batches
     stage = max(sum(kept[s * span:(s + 1) * span]) for s in range(L.pp))
     V = model.vocab_size / L.tp
     head = terms(0, "none")["norm_inputs"] / 2 + a * tokens * h / rep + 4 * V * h   # the final norm's keep, and the
-    chunk = min(tokens, 1024 if on_gpu else 128) * V                                # loss's input and fp32 weight grads
+    chunk = min(tokens, loss_chunk_rows(on_gpu)) * V                               # loss's input and fp32 weight grads
     first = stage * min(L.pp, micro_batches) + rerun
     last = stage + head + max((a + (4 if a < 4 else 0)) * chunk, rerun)   # one chunk's logits (and their fp32 copy)
     return max(first, last)
