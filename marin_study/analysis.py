@@ -16,8 +16,9 @@ from .trainer.metrics import EVAL_BPB, EVAL_LOSS, MFU_CONVENTION, MOE_MAX_LOAD, 
 from .utils import JsonLinesError, json_lines
 
 # %% auto #0
-__all__ = ['KIT_NAMES', 'WANDB_NAMES', 'KINDS', 'AnalysisError', 'Finding', 'load_curves', 'Thresholds', 'diagnose',
-           'findings_table', 'router_health_frame', 'plot_router_load', 'compare', 'ScalingFit', 'fit_scaling_law']
+__all__ = ['KIT_NAMES', 'WANDB_NAMES', 'KINDS', 'SANE_EXPONENT', 'AnalysisError', 'Finding', 'load_curves', 'Thresholds',
+           'diagnose', 'findings_table', 'router_health_frame', 'plot_router_load', 'compare', 'ScalingFit',
+           'fit_scaling_law']
 
 # %% ../nbs/08_analysis.ipynb #14cc0385
 class AnalysisError(ValueError):
@@ -49,6 +50,9 @@ KINDS = {"leak": "initial loss far below ln(vocab): the model already knows the 
          "overfit": "held-out loss rising while training loss falls",
          "noisy_eval": "held-out loss much noisier than training loss",
          "router_collapse": "MoE routing concentrated on a few experts for much of the run",
+         "router_imbalance": "MoE routing overloading an expert for a stretch of steps, or leaving experts idle on most steps",
+         "grad_spike": "a gradient norm many times its rolling median",
+         "skipped_steps": "updates the trainer's guard rejected (non-finite or spiking loss or gradient norm)",
          "schedule": "a learning-rate phase change (end of warmup, start of decay) that explains a bend",
          "bad_input": "a problem in the curve file itself (torn line, duplicated or unordered steps)"}
 
@@ -127,11 +131,24 @@ class Thresholds:
     noisy_ratio: float = 3.0
     collapse_load: float = 4.0    # busiest expert above this multiple of the mean load, over the second half of the run
     collapse_idle: float = 0.25   # share of a layer's experts with no token, over the second half (per-layer keys)
+    grad_spike_ratio: float = 5.0 # a gradient norm this many times the median of the previous `window` steps
+    idle_steps: float = 0.5       # router imbalance: some expert of a layer idle on more than this share of the steps
 
 def _robust_std(x) -> float:
     x = np.asarray(x, dtype=float)
     x = x[np.isfinite(x)]
     return float(1.4826 * np.median(np.abs(x - np.median(x)))) if len(x) else math.nan
+
+def _stretches(flagged, gap: int = 2) -> list[tuple[int, int]]:
+    "(first, last) row of each run of True rows in `flagged`; runs at most `gap` rows apart are one stretch."
+    rows = np.flatnonzero(np.asarray(flagged, dtype=bool))
+    if not len(rows): return []
+    breaks = np.flatnonzero(np.diff(rows) > gap)
+    return [(int(rows[a]), int(rows[b])) for a, b in zip(np.r_[0, breaks + 1], np.r_[breaks, len(rows) - 1])]
+
+def _rolling_baseline(series: pd.Series, th) -> pd.Series:
+    "The median of the previous `window` values: what a value at each row is judged against."
+    return series.rolling(th.window, min_periods=max(5, th.window // 2)).median().shift(1)
 
 # %% ../nbs/08_analysis.ipynb #8730e5c8
 def _leak(df, vocab_size, th) -> list[Finding]:
@@ -145,16 +162,13 @@ def _leak(df, vocab_size, th) -> list[Finding]:
 
 def _spikes(df, th) -> list[Finding]:
     loss = df["loss"]
-    baseline = loss.rolling(th.window, min_periods=max(5, th.window // 2)).median().shift(1)
+    baseline = _rolling_baseline(loss, th)
     scale = (loss - baseline).abs().rolling(th.window, min_periods=max(5, th.window // 2)).median().shift(1) * 1.4826
     scale = np.maximum(scale, 1e-3 * baseline.abs())
     excess = loss - baseline
     flagged = (excess > np.maximum(th.spike_mads * scale, th.spike_min)).fillna(False).to_numpy()
-    findings, i = [], 0
-    while i < len(df):
-        if not flagged[i]: i += 1; continue
-        j = i
-        while j + 1 < len(df) and (flagged[j + 1] or (j + 2 < len(df) and flagged[j + 2])): j += 1
+    findings = []
+    for i, j in _stretches(flagged):
         base, sd = float(baseline.iloc[i]), float(scale.iloc[i])
         after = loss.iloc[j + 1:j + 1 + th.recover_steps]
         recovered_at = next((int(df["step"].iloc[j + 1 + k]) for k, v in enumerate(after.rolling(3, min_periods=1).median())
@@ -167,7 +181,6 @@ def _spikes(df, th) -> list[Finding]:
                                 "call for a lower peak LR or more warmup" if recovered_at else
                                 "not recovered: restart from the checkpoint before the spike with a lower LR or skip the "
                                 "offending batches"))
-        i = j + 1
     return findings
 
 # %% ../nbs/08_analysis.ipynb #f7df301f
@@ -286,6 +299,86 @@ def _router_collapse(df, th) -> list[Finding]:
                     "most tokens go to a few experts: raise model.balance_rate (or the auxiliary loss weight), lower the "
                     "router's learning rate, or start with a longer warmup; watch moe/max_load fall towards 1")]
 
+# %% ../nbs/08_analysis.ipynb #b2c3d4e5
+def _grad_spikes(df, th) -> list[Finding]:
+    if "grad_norm" not in df.columns: return []
+    norm = pd.to_numeric(df["grad_norm"], errors="coerce")
+    baseline = _rolling_baseline(norm, th)
+    flagged = ((norm > th.grad_spike_ratio * baseline) | ~np.isfinite(norm) & norm.notna()).to_numpy()
+    return [Finding("grad_spike", int(df["step"].iloc[i]), int(df["step"].iloc[j]), "warning",
+                    {"peak_grad_norm": float(norm.iloc[i:j + 1].max()), "baseline": float(baseline.iloc[i]),
+                     "ratio": float(norm.iloc[i:j + 1].max() / baseline.iloc[i])},
+                    "the gradient norm jumped: look at the batches at these steps and the loss after them; repeated "
+                    "jumps call for a lower peak LR, a longer warmup or a tighter train.grad_clip")
+            for i, j in _stretches(flagged)]
+
+def _skipped_mask(df) -> np.ndarray:
+    "Which rows are skipped updates: the `skipped` flag, or where `bad_steps` (a running count or 0/1 flags) rises."
+    mask = df["skipped"].eq(True).to_numpy() if "skipped" in df.columns else np.zeros(len(df), bool)
+    if "bad_steps" in df.columns:
+        bad = pd.to_numeric(df["bad_steps"], errors="coerce").ffill().fillna(0)
+        flags = set(bad.unique()) <= {0, 1} and not bad.is_monotonic_increasing
+        mask |= (bad > 0).to_numpy() if flags else (bad.diff().fillna(bad.iloc[0]) > 0).to_numpy()
+    return mask
+
+def _step_ranges(steps) -> str:
+    "'3-6, 40' for steps [3, 4, 5, 6, 40]."
+    groups = np.split(np.asarray(steps), np.flatnonzero(np.diff(steps) > 1) + 1)
+    return ", ".join(f"{g[0]}" if len(g) == 1 else f"{g[0]}-{g[-1]}" for g in groups)
+
+def _skipped_steps(df, th) -> list[Finding]:
+    skipped = _skipped_mask(df)
+    steps = df["step"].to_numpy()[skipped].astype(int)
+    if not len(steps): return []
+    reason = next((r for r in df.loc[skipped, "skip_reason"] if isinstance(r, str)), None) if "skip_reason" in df else None
+    return [Finding("skipped_steps", int(steps[0]), int(steps[-1]), "warning",
+                    {"skipped": len(steps), "steps": _step_ranges(steps), **({"first_reason": reason} if reason else {})},
+                    "the trainer's guard rejected these updates: look at the batches at these steps, the gradient norm "
+                    "before them and the LR; many skips in a row stop the run (train.max_bad_steps)")]
+
+# %% ../nbs/08_analysis.ipynb #c3d4e5f6
+def _layer_loads(df) -> dict:
+    "Per MoE layer (or 'all' from the aggregate keys): its busiest expert over the mean, and whether some expert is idle."
+    layers = sorted({key[0] for key in map(parse_moe_layer_key, df.columns) if key})
+    number = lambda column: pd.to_numeric(df[column], errors="coerce") if column in df.columns else pd.Series(np.nan, df.index)
+    if layers: return {l: (number(moe_layer_key(l, "max_load")), number(moe_layer_key(l, "idle")) > 0) for l in layers}
+    if MOE_MAX_LOAD not in df.columns: return {}
+    return {"all": (number(MOE_MAX_LOAD), number(MOE_MIN_LOAD) == 0)}
+
+def _router_imbalance(df, th, collapsed: set) -> list[Finding]:
+    "An overloaded stretch, or experts idle on most steps, in the layers router_collapse does not already name."
+    overloaded, idle = {}, {}
+    for layer, (load, some_idle) in _layer_loads(df).items():
+        if layer in collapsed or load.isna().all(): continue
+        rolled = load.rolling(th.window, min_periods=max(5, th.window // 2), center=True).median()
+        if spans := _stretches((rolled >= th.collapse_load).to_numpy()):
+            overloaded[layer] = (spans, float(rolled.max()))
+        if (share := float(some_idle[load.notna()].mean())) > th.idle_steps: idle[layer] = share
+    findings, steps = [], df["step"].to_numpy()
+    if overloaded:
+        worst = max(overloaded, key=lambda l: overloaded[l][1])
+        first, last = min(s[0][0] for s, _ in overloaded.values()), max(s[-1][1] for s, _ in overloaded.values())
+        findings.append(Finding("router_imbalance", int(steps[first]), int(steps[last]), "warning",
+                                {"layers": ", ".join(map(str, overloaded)), "worst_layer": worst,
+                                 "peak_median_max_load": overloaded[worst][1]},
+                                "the busiest expert carried many times its share for these steps: common while the "
+                                "balancing bias settles early in a short run; if it lasts or comes back, raise "
+                                "model.balance_rate or model.aux_loss_weight, or warm up longer"))
+    if idle:
+        worst = max(idle, key=idle.get)
+        findings.append(Finding("router_imbalance", int(steps[0]), int(steps[-1]), "warning",
+                                {"layers_with_idle_experts": ", ".join(map(str, idle)), "worst_layer": worst,
+                                 "share_of_steps_with_idle_experts": idle[worst]},
+                                "some experts got no token on most steps: their weights do not train; raise "
+                                "model.balance_rate or model.aux_loss_weight, or use fewer, larger experts at this batch size"))
+    return findings
+
+def _router_findings(df, th) -> list[Finding]:
+    collapse = _router_collapse(df, th)
+    if collapse and "layers" not in collapse[0].evidence: return collapse  # the aggregate load: nothing more to say
+    named = {int(l) for f in collapse for l in str(f.evidence["layers"]).split(", ")}
+    return collapse + _router_imbalance(df, th, named)
+
 # %% ../nbs/08_analysis.ipynb #0e4f0768
 def _schedule(df, th) -> list[Finding]:
     if "lr" not in df.columns or df["lr"].isna().all() or len(df) < 10: return []
@@ -317,12 +410,12 @@ def diagnose(df: pd.DataFrame, vocab_size: int | None = None, thresholds: Thresh
     if "loss" in df and df["loss"].isna().all(): raise AnalysisError("diagnose: every loss is missing")
     eval_only = df["loss"].isna() & (df["eval_loss"].notna() if "eval_loss" in df.columns else False)  # W&B-style eval rows
     train = df[~eval_only].reset_index(drop=True)  # a missing loss anywhere else is a failed step
-    findings = list(df.attrs.get("problems", [])) + _divergence(train, th)
+    findings = list(df.attrs.get("problems", [])) + _divergence(train, th) + _skipped_steps(train, th)
     finite = train[np.isfinite(train["loss"])].reset_index(drop=True)
     if len(finite):
         stalled = _no_progress(finite, th)  # a curve that never fell is not a plateau
         findings += _leak(finite, vocab_size, th) + _spikes(finite, th) + (stalled or _plateau(finite, th)) + _schedule(finite, th)
-        findings += _router_collapse(finite, th)
+        findings += _router_findings(finite, th) + _grad_spikes(finite, th)
         findings += _eval_findings(df[np.isfinite(df["loss"].fillna(0))], th)
     return sorted(findings, key=lambda f: (f.start_step, f.kind))
 
@@ -379,6 +472,9 @@ def compare(curves: list[pd.DataFrame], metric: str = "loss", x: str = "tokens")
         parts.append(c[["run", x, metric]].dropna())
     return pd.concat(parts, ignore_index=True)
 
+# %% ../nbs/08_analysis.ipynb #a7b8c9d0
+SANE_EXPONENT = (0.02, 1.5)  # published data and compute exponents lie in about 0.05-0.6; outside this, a fit is noise
+
 @dataclass
 class ScalingFit:
     E: float
@@ -386,6 +482,14 @@ class ScalingFit:
     alpha: float
     scale: float                       # x is divided by this before fitting
     samples: np.ndarray                # bootstrap parameter sets (E, A, alpha)
+
+    @property
+    def degenerate(self) -> str | None:
+        "Why this fit predicts nothing (no falling trend, an exponent outside SANE_EXPONENT), or None for a usable fit."
+        if self.A <= 1e-9: return "no falling trend to extrapolate (A = 0)"
+        low, high = SANE_EXPONENT
+        if not low <= self.alpha <= high: return f"exponent alpha {self.alpha:.3g} outside {low}-{high}"
+        return None
 
     def predict(self, x) -> tuple[np.ndarray, np.ndarray]:
         "Mean and standard deviation of the predicted loss at `x` (tokens or FLOPs)."

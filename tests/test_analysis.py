@@ -6,8 +6,8 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from marin_study.analysis import (KINDS, AnalysisError, Thresholds, compare, diagnose, findings_table, fit_scaling_law,
-                                  load_curves, plot_router_load, router_health_frame)
+from marin_study.analysis import (KINDS, SANE_EXPONENT, AnalysisError, Thresholds, compare, diagnose, findings_table,
+                                  fit_scaling_law, load_curves, plot_router_load, router_health_frame)
 from marin_study.trainer.metrics import MOE_LAYER_METRICS, moe_layer_key, router_health
 from marin_study.widgets import explorer
 
@@ -172,7 +172,18 @@ def test_scaling_law_predicts_a_held_back_budget_within_its_uncertainty():
     fit = fit_scaling_law(tokens[:30], loss[:30])
     mean, sd = fit.predict(tokens[-1])
     assert abs(float(mean) - loss[-1]) < 3 * float(sd) + 0.01 and float(sd) > 0
+    assert fit.degenerate is None
     with pytest.raises(AnalysisError, match="at least 4 points"): fit_scaling_law([1, 2], [3, 2])
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_a_scaling_fit_without_a_trend_is_degenerate_not_a_target(seed):
+    rng, tokens = np.random.default_rng(seed), np.geomspace(1e6, 4e6, 12)
+    flat = fit_scaling_law(tokens, 3.0 + rng.normal(0, 0.01, 12), bootstrap=10)  # noise only: the fit's exponent means nothing
+    steep = fit_scaling_law(tokens, 2.0 + 1e9 * tokens ** -2.5 + rng.normal(0, 1e-4, 12), bootstrap=10)  # an exponent no LM has
+    for fit in (flat, steep):
+        assert fit.degenerate, (fit.E, fit.A, fit.alpha)
+    assert not SANE_EXPONENT[0] <= steep.alpha <= SANE_EXPONENT[1] and "exponent" in steep.degenerate
 
 
 def test_explorer_widgets_redraw_the_plot():
@@ -234,11 +245,66 @@ def test_a_flat_kit_log_gives_no_progress_through_the_external_interface(tmp_pat
     assert [f.kind for f in found] == ["no_progress"] and "no_progress" in KINDS
 
 
+def blown_up(seed: int, running_count: bool = True) -> pd.DataFrame:
+    "A healthy run whose gradient norm jumps 0.4 -> 65-95 for four steps that the guard skips, as in a real blow-up."
+    rng, df = np.random.default_rng(200 + seed), healthy(seed)
+    df["grad_norm"] = 0.4 * np.exp(rng.normal(0, 0.1, len(df)))
+    at = int(rng.integers(200, 800))
+    df.loc[at:at + 3, "grad_norm"] = rng.uniform(65, 95, 4)
+    skipped = (df.index >= at) & (df.index <= at + 3)
+    df["bad_steps"] = np.cumsum(skipped) if running_count else skipped.astype(int)
+    return df
+
+
+@pytest.mark.parametrize("running_count", [True, False])
+def test_gradient_spikes_and_skipped_steps_are_findings(running_count):
+    misses = []
+    for seed in range(10):
+        df = blown_up(seed, running_count)
+        at = int(df["step"][df["grad_norm"] > 10].iloc[0])
+        found = {f.kind: f for f in warnings(diagnose(df, VOCAB))}
+        if set(found) != {"grad_spike", "skipped_steps"}: misses.append((seed, sorted(found))); continue
+        assert (found["grad_spike"].start_step, found["grad_spike"].end_step) == (at, at + 3)
+        assert found["grad_spike"].evidence["ratio"] > 100
+        assert found["skipped_steps"].evidence == {"skipped": 4, "steps": f"{at}-{at + 3}"}
+    assert not misses, misses
+    noisy = blown_up(0).assign(bad_steps=0)
+    noisy["grad_norm"] = 0.4 * np.exp(np.random.default_rng(9).normal(0, 0.3, len(noisy)))  # noisy, never 5x
+    assert not warnings(diagnose(noisy, VOCAB))
+
+
+def test_one_skipped_step_is_a_warning_naming_it_with_the_guards_reason():
+    df = healthy(4)
+    df["skipped"] = None
+    df.loc[[99, 100, 499], "skipped"] = True
+    df.loc[99, "skip_reason"] = "grad_norm 12.5 > 3.1 (mean 1.2 + 6 std)"
+    (skips,) = warnings(diagnose(df, VOCAB))
+    assert skips.kind == "skipped_steps" and skips.severity == "warning"
+    assert skips.evidence == {"skipped": 3, "steps": "100-101, 500", "first_reason": "grad_norm 12.5 > 3.1 (mean 1.2 + 6 std)"}
+    assert "skipped 3" in findings_table([skips])["evidence"][0]
+
+
+def test_router_imbalance_early_or_idle_is_a_finding_beside_collapse():
+    df = routed({2: (6.0, 0.5)})
+    df[moe_layer_key(0, "max_load")] = np.where(df["step"].between(10, 120), 8.0, 1.3)  # overloaded early, then recovers
+    df[moe_layer_key(3, "idle")] = np.where(df["step"] % 3 == 0, 0.0, 1 / 32)  # an idle expert on 2 steps of 3
+    found = warnings(diagnose(df, VOCAB))
+    assert [(f.kind, f.evidence.get("layers") or f.evidence.get("layers_with_idle_experts")) for f in found] == [
+        ("router_imbalance", "3"), ("router_imbalance", "0"), ("router_collapse", "2")]
+    idle, early = found[0], found[1]
+    assert 0.6 < idle.evidence["share_of_steps_with_idle_experts"] < 0.7 and (idle.start_step, idle.end_step) == (1, 1000)
+    assert early.evidence["peak_median_max_load"] == 8.0 and abs(early.start_step - 10) <= 12 and abs(early.end_step - 120) <= 12  # a window of 25
+    aggregate = healthy(0).assign(**{"moe/max_load": np.where(healthy(0)["step"] < 200, 9.0, 1.2), "moe/min_load": 0.5})
+    assert [f.kind for f in warnings(diagnose(aggregate, VOCAB))] == ["router_imbalance"]
+
+
 def test_the_real_tiny_run_makes_progress():
     from conftest import ROOT
     path = ROOT / "reports/train_tiny_metrics.jsonl"
     if not path.exists(): pytest.skip("no tiny run yet (dvc repro train_tiny)")
-    assert not [str(f) for f in warnings(diagnose(load_curves(path), vocab_size=VOCAB))]
+    from conftest import unexpected_in_tiny
+    found = diagnose(load_curves(path), vocab_size=VOCAB)
+    assert not unexpected_in_tiny(found) and "router_imbalance" in {f.kind for f in found}  # its early imbalance is reported
 
 
 def routed(collapsed: dict[int, tuple[float, float]], layers: int = 4, seed: int = 0) -> pd.DataFrame:
