@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import json
 import os
 import re
@@ -23,7 +22,7 @@ from .model import Transformer
 from .trainer.checkpoint import Checkpoints, checkpoint_name
 from .trainer.checkpointer import load_weights
 from .trainer.processes import TrainError
-from .utils import current_umask, progress
+from .utils import current_umask, progress, sha256_file
 
 # %% auto #0
 __all__ = ['DTYPES', 'KEEP_FP32', 'CHAT_TEMPLATE', 'ExportError', 'choose_architecture', 'hf_config', 'tensor_table', 'to_hf',
@@ -222,8 +221,6 @@ def hf_tokenizer(path: str | os.PathLike, cfg: ModelConfig):
                                    model_max_length=cfg.max_seq_len, chat_template=CHAT_TEMPLATE)
 
 # %% ../nbs/13b_export.ipynb #9defc1c2
-def _sha256(path: Path) -> str: return hashlib.sha256(path.read_bytes()).hexdigest()
-
 def _checkpoint(run_dir: Path, step: int | None) -> Path:
     checkpoints = Checkpoints(run_dir / "checkpoints")
     if not run_dir.is_dir(): raise ExportError(f"{run_dir}: no such run folder; pass the --run-dir a run trained in")
@@ -271,7 +268,7 @@ def write_export(cfg: ModelConfig, state: dict[str, torch.Tensor], out: str | os
     config = hf_config(cfg, arch, hf_tok.convert_tokens_to_ids(EOD))
     config.dtype = DTYPES[dtype]
     tensors = to_hf(cfg, state, arch)
-    record = {"architecture": arch, "why": why, **(source or {}), "tokenizer_sha256": _sha256(tokenizer), "dtype": dtype,
+    record = {"architecture": arch, "why": why, **(source or {}), "tokenizer_sha256": sha256_file(tokenizer), "dtype": dtype,
               "marin_study": version("marin-study"), "model": dataclasses.asdict(cfg)}
     out.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.partial-"))
@@ -304,7 +301,7 @@ def export(run_dir: str | os.PathLike, out: str | os.PathLike, step: int | None 
     except TrainError as e: raise ExportError(f"{e}; export another --step") from None
     params = load_params(folder / "params.yaml")
     source = {"source_run": str(run_dir.resolve()), "step": int(folder.name.removeprefix("step-")),
-              "checkpoint_manifest_sha256": _sha256(folder / "MANIFEST.json"), "params_sha256": _sha256(folder / "params.yaml"),
+              "checkpoint_manifest_sha256": sha256_file(folder / "MANIFEST.json"), "params_sha256": sha256_file(folder / "params.yaml"),
               # where evaluation finds the training text, to check its tasks for contamination (chapter 13d)
               "train_data": {"dir": str(Path(params.data.out_dir) / "clean" / "train"), "ngram": params.data.decontam_ngram,
                              "fraction": params.data.decontam_fraction}}

@@ -11,16 +11,12 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-import nbformat
-import papermill
-from nbconvert import HTMLExporter
-from papermill.translators import PythonTranslator
-
 from .utils import atomic_write
 
 # %% auto #0
 __all__ = ['KERNEL', 'OFFLINE_TEMPLATE', 'StudyError', 'study_parameters', 'remote_references', 'notebook_html', 'render_html',
-           'run_study', 'book_chapters', 'chapter_title', 'static_widgets', 'chapter_kernel', 'render_book']
+           'provenance', 'local_kernel_manager', 'run_study', 'book_chapters', 'chapter_title', 'static_widgets',
+           'chapter_kernel', 'render_book']
 
 # %% ../nbs/10_studies.ipynb #6eae6ef0
 KERNEL = "marin-study"  # registered by install.sh from the project's environment
@@ -30,6 +26,8 @@ class StudyError(RuntimeError):
 
 def study_parameters(notebook: str | Path) -> dict[str, Any]:
     "The parameters a study notebook declares in its `parameters` cell, with their defaults."
+    import nbformat  # here, not at the top: `marin-study --help` and commands that run no notebook start 10x faster
+    from papermill.translators import PythonTranslator
     notebook = Path(notebook)
     if not notebook.is_file():
         raise StudyError(f"{notebook}: no such notebook (studies live in nbs/studies/)")
@@ -56,6 +54,7 @@ def remote_references(html: str) -> list[str]:
 
 def notebook_html(nb: nbformat.NotebookNode, title: str, code: bool = False, source: str | Path = "notebook") -> str:
     "Self-contained HTML of an executed notebook (`code=False`: outputs and prose only); refuses remote references."
+    from nbconvert import HTMLExporter
     exporter = HTMLExporter(template_name="lab", raw_template=OFFLINE_TEMPLATE, exclude_input=not code,
                             exclude_input_prompt=True, exclude_output_prompt=True)
     body, _ = exporter.from_notebook_node(nb, resources={"metadata": {"name": title}})
@@ -66,17 +65,63 @@ def notebook_html(nb: nbformat.NotebookNode, title: str, code: bool = False, sou
 
 def render_html(notebook: str | Path, html: str | Path, title: str | None = None) -> Path:
     "Render an executed notebook to self-contained HTML without code cells."
+    import nbformat
     nb = nbformat.read(notebook, as_version=4)
+    if nb.metadata.get("papermill"):  # a study's run, not a chapter: say under the title what made it
+        title_at = next((i + 1 for i, c in enumerate(nb.cells) if c.cell_type == "markdown"), 0)
+        nb.cells.insert(title_at, nbformat.v4.new_markdown_cell(provenance(nb)))
     return atomic_write(html, notebook_html(nb, title or Path(html).stem, source=notebook))
 
+# %% ../nbs/10_studies.ipynb #f2a3b4c5
+def _params_files(parameters: dict[str, Any]) -> list[Path]:
+    "The params YAML files a study's parameters name: a .yaml path, or a folder (a run, an export) that holds params.yaml."
+    found = []
+    for value in parameters.values():
+        if not isinstance(value, str) or not value: continue
+        path = Path(value)
+        if path.suffix in (".yaml", ".yml") and path.is_file(): found.append(path)
+        elif path.is_dir() and (path / "params.yaml").is_file(): found.append(path / "params.yaml")
+    return found
+
+def provenance(nb) -> str:
+    "One Markdown line for an executed study: the notebook, its params files with their SHA-256, overrides, git commit."
+    import ast
+    from papermill.translators import PythonTranslator
+    from marin_study.utils import git_state, sha256_file
+    cell = next((c for c in nb.cells if "parameters" in c.metadata.get("tags", [])), None)
+    ran = nb.metadata.get("papermill", {})
+    parameters = {**({p.name: ast.literal_eval(p.default) for p in PythonTranslator.inspect(cell)} if cell else {}),
+                  **ran.get("parameters", {})}
+    files = _params_files(parameters)
+    named = ", ".join(f"`{p}` (sha256 `{sha256_file(p)[:12]}`)" for p in files) or "none among the parameters"
+    overrides = "; overrides " + ", ".join(f"`{o}`" for o in parameters["overrides"]) if parameters.get("overrides") else ""
+    commit = git_state().get("git_commit") or "unknown"
+    return f"*Made from `{ran.get('input_path', 'this notebook')}` at git commit `{str(commit)[:12]}`; params: {named}{overrides}.*"
+
 # %% ../nbs/10_studies.ipynb #56e7b97a
+def local_kernel_manager(base=None):
+    """A kernel manager class whose kernels talk to this process over local (IPC) sockets, not TCP: no port is open
+    to the network, and ipykernel has no "running over TCP without encryption" warning to print."""
+    import uuid
+    from jupyter_client.manager import AsyncKernelManager
+    from jupyter_core.paths import jupyter_runtime_dir
+    class LocalKernelManager(base or AsyncKernelManager):
+        def __init__(self, **kwargs):  # absolute socket paths: the kernel may start in another folder than its client
+            sockets = Path(jupyter_runtime_dir()) / f"kernel-{uuid.uuid4().hex}-ipc"
+            sockets.parent.mkdir(parents=True, exist_ok=True)
+            super().__init__(**{"transport": "ipc", "ip": str(sockets), **kwargs})
+    return LocalKernelManager
+
+# %% ../nbs/10_studies.ipynb #c9d0e1f2
 def _execute(notebook: Path, partial: Path, parameters: dict, kernel: str, cwd) -> None:
     "papermill, retried when the kernel dies before it starts (kernels started at once on one host race for ports)."
+    import papermill
     for attempt in range(3):
         try:
             papermill.execute_notebook(str(notebook), str(partial), parameters=parameters, kernel_name=kernel,
                                        language="python", cwd=str(cwd) if cwd else None,
-                                       progress_bar=sys.stderr.isatty(), log_output=False)
+                                       progress_bar=sys.stderr.isatty(), log_output=False,
+                                       kernel_manager_class=local_kernel_manager())
             return
         except RuntimeError as e:
             if "Kernel died before replying" not in str(e) or attempt == 2: raise
@@ -84,6 +129,7 @@ def _execute(notebook: Path, partial: Path, parameters: dict, kernel: str, cwd) 
 def run_study(notebook: str | Path, output: str | Path, parameters: dict[str, Any] | None = None,
               report: str | Path | None = None, kernel: str = KERNEL, cwd: str | Path | None = None) -> Path:
     "Execute a study notebook with `parameters` into `output` (and render `report`), atomically."
+    import papermill
     notebook, output, parameters = Path(notebook), Path(output), dict(parameters or {})
     declared = study_parameters(notebook)
     if unknown := sorted(set(parameters) - set(declared)):
@@ -132,6 +178,7 @@ def _widget_outputs(model_id: str, state: dict) -> list:
     "What a widget last showed, as notebook outputs: its Output widgets' outputs and its HTML or Label text."
     model = state.get(model_id, {})
     name, values = model.get("model_name", ""), model.get("state", {})
+    import nbformat
     if name == "OutputModel": return [nbformat.from_dict(o) for o in values.get("outputs", [])]
     if name in ("HTMLModel", "HTMLMathModel", "LabelModel") and values.get("value"):
         return [nbformat.v4.new_output("display_data", {"text/html": f"<p>{values['value']}</p>"})]
@@ -153,7 +200,7 @@ def chapter_kernel(kernel: str, cwd: Path):
     "A started kernel of `kernel` in folder `cwd` for the chapters of a book, shut down on leaving."
     from jupyter_client.kernelspec import NoSuchKernel
     from jupyter_client.manager import KernelManager
-    manager = KernelManager(kernel_name=kernel)
+    manager = local_kernel_manager(KernelManager)(kernel_name=kernel)
     try: manager.start_kernel(cwd=str(cwd))
     except NoSuchKernel:
         raise StudyError(f"kernel '{kernel}' is not registered; run install.sh, or "
@@ -166,6 +213,7 @@ def _execute_chapter(path: Path, manager, cwd: Path, timeout: int | None) -> nbf
     "Run a chapter in the kernel of `manager`, from folder `cwd`; a StudyError naming the failing cell."
     from nbclient import NotebookClient
     from nbclient.exceptions import CellExecutionError, CellTimeoutError, DeadKernelError
+    import nbformat
     nb = nbformat.read(path, as_version=4)
     nb.cells.insert(0, nbformat.v4.new_code_cell(f"%cd -q {cwd}"))
     client = NotebookClient(nb, km=manager, timeout=timeout)
@@ -190,12 +238,14 @@ def _execute_chapter(path: Path, manager, cwd: Path, timeout: int | None) -> nbf
 # %% ../nbs/10_studies.ipynb #c4d5aed5
 def _book_index(pages: list[tuple[str, str]], title: str) -> nbformat.NotebookNode:
     "The book's contents page: one link per page, in reading order."
+    import nbformat
     links = "\n".join(f"{i}. [{name}]({page})" for i, (page, name) in enumerate(pages, 1))
     return nbformat.v4.new_notebook(cells=[nbformat.v4.new_markdown_cell(f"# {title}\n\n## Chapters\n\n{links}")])
 
 def render_book(nbs_dir: str | Path = "nbs", out_dir: str | Path = "reports/book", kernel: str = KERNEL,
                 timeout: int | None = 1800, title: str = "marin-study: the book") -> Path:
     "Execute the library chapters of `nbs_dir` and render them, with an index in reading order, into `out_dir`."
+    import nbformat
     nbs_dir, out_dir = Path(nbs_dir), Path(out_dir)
     chapters = book_chapters(nbs_dir)
     if not chapters: raise StudyError(f"{nbs_dir}: no chapters (*.ipynb) to render")

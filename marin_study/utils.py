@@ -3,6 +3,7 @@
 # %% ../nbs/00_utils.ipynb #91c856b9
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import subprocess
@@ -13,7 +14,7 @@ from typing import Any, Iterable, Iterator
 
 # %% auto #0
 __all__ = ['current_umask', 'atomic_write', 'JsonLinesError', 'json_lines', 'write_jsonl', 'split_assignment', 'progress',
-           'kit_root', 'git_state']
+           'kit_root', 'git_state', 'sha256_file']
 
 # %% ../nbs/00_utils.ipynb #58e97b02
 def current_umask() -> int:
@@ -94,3 +95,10 @@ def git_state(folder: str | os.PathLike | None = None) -> dict:
         changed = commit and git("status", "--porcelain", "--untracked-files=no", "--", ".", ":!dvc.lock", ":!reports")
     except (OSError, subprocess.SubprocessError): commit = None  # no git on this machine, or it hangs
     return {"git_commit": commit, "git_dirty": None if commit is None else bool(changed)}
+
+def sha256_file(path: str | os.PathLike) -> str:
+    "The SHA-256 of a file's bytes, read 1 MiB at a time (checkpoint shards are GBs); `sha256sum` prints the same."
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""): digest.update(chunk)
+    return digest.hexdigest()

@@ -98,3 +98,11 @@ def test_a_layout_only_the_planner_models_is_refused_by_everything_that_trains(t
     for where, text in [("launch slurm", "\n".join(layout_errors(params, "params/tiny.yaml"))), ("loader", str(loader.value)),
                         ("trainer", train_refusal(tmp_path, sets, world_size=2))]:
         assert message in text, f"{where} says something else:\n{text}"
+
+
+def test_the_cli_starts_without_the_heavy_libraries():
+    "`marin-study --help` (and every command that runs no notebook and trains nothing) loads neither torch nor Jupyter."
+    probe = ("import sys; from marin_study import cli; cli.parser(); "
+             "print(sorted(m for m in ('torch', 'nbformat', 'papermill', 'nbconvert', 'deepspeed') if m in sys.modules))")
+    assert run([BIN / "python", "-c", probe]).stdout.strip() == "[]"
+    assert run([BIN / "marin-study", "--help"]).stdout.startswith("usage: marin-study")

@@ -3,7 +3,6 @@
 # %% ../../nbs/07b_checkpoint.ipynb #202c7d83
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import pickle
@@ -14,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from unittest import mock
 
-from ..utils import atomic_write
+from ..utils import atomic_write, sha256_file
 
 # %% auto #0
 __all__ = ['MANIFEST', 'checkpoint_name', 'write_manifest', 'verify', 'UnsafeCheckpoint', 'safe_loading', 'Checkpoints']
@@ -25,17 +24,11 @@ _NAME = re.compile(r"^step-(\d{8})$")
 
 def checkpoint_name(step: int) -> str: return f"step-{step:08d}"
 
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""): digest.update(chunk)
-    return digest.hexdigest()
-
 def write_manifest(folder: str | os.PathLike) -> Path:
     "List every file of `folder` with its size and sha256, atomically, as the last file of a checkpoint."
     folder = Path(folder)
     files = sorted(p for p in folder.rglob("*") if p.is_file() and p.name != MANIFEST)
-    entries = {str(p.relative_to(folder)): {"bytes": p.stat().st_size, "sha256": _sha256(p)} for p in files}
+    entries = {str(p.relative_to(folder)): {"bytes": p.stat().st_size, "sha256": sha256_file(p)} for p in files}
     return atomic_write(folder / MANIFEST, json.dumps(entries, indent=1, sort_keys=True) + "\n")
 
 def verify(folder: str | os.PathLike) -> str | None:
@@ -48,7 +41,7 @@ def verify(folder: str | os.PathLike) -> str | None:
         path = folder / name
         if not path.is_file(): return f"{name} is missing"
         if path.stat().st_size != entry["bytes"]: return f"{name} has {path.stat().st_size} bytes, not {entry['bytes']}"
-        if _sha256(path) != entry["sha256"]: return f"{name} does not match its sha256"
+        if sha256_file(path) != entry["sha256"]: return f"{name} does not match its sha256"
     return None
 
 # %% ../../nbs/07b_checkpoint.ipynb #f6ac6e6c
