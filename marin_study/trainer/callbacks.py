@@ -16,7 +16,7 @@ import torch.distributed as dist
 
 from ..layout import Layout
 from .deepspeed import model_state_memory
-from .metrics import LOSS, STEP
+from .metrics import LOSS, STEP, TOKENS_PER_SEC
 from .processes import say
 from ..utils import atomic_write, progress
 
@@ -37,15 +37,21 @@ class Callback:
 
 # %% ../../nbs/07i_callbacks.ipynb #913a8600
 class Progress(Callback):
-    "A progress bar of this fit's steps, with the loss of the last one."
+    "Rank 0's bar of steps: step/total, steps per second and time left, the last step's loss and tokens per second."
+    bar = None  # made by on_fit_start, which a failing start-up never reaches
+
     def on_fit_start(self, trainer):
-        self.bar = progress(None, total=trainer.until - trainer.step, desc="train", unit="step", disable=trainer.rank != 0)
+        self.bar = progress(None, total=trainer.until, initial=trainer.step, desc="train", unit="step",
+                            disable=trainer.rank != 0)
 
     def on_step_end(self, trainer, record):
-        self.bar.set_postfix(loss=f"{record[LOSS]:.3f}", refresh=False)
+        self.bar.set_postfix_str(f"loss={record[LOSS]:.3f}, tok/s={record[TOKENS_PER_SEC]:,.0f}", refresh=False)
         self.bar.update()
 
     def on_fit_end(self, trainer): self.bar.close()
+
+    def on_fit_error(self, trainer, error):
+        if self.bar is not None: self.bar.close()  # so that the error starts a line of its own
 
 
 def numbers(record: dict) -> dict[str, float]:

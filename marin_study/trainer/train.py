@@ -73,6 +73,9 @@ class Trainer:
                                          barrier=self.accelerator.wait_for_everyone)
         resume = self.checkpointer.find()
         plugin.deepspeed_config["checkpoint"]["load_universal"] = resume is not None and resume.convert
+        # the data before the engine: a missing or mismatched shard fails in seconds, not after DeepSpeed's start-up
+        self.loader = make_loader(params, self.rank, self.world_size, start_step=resume.state["step"] if resume else 0)
+        self.heldout = HeldOut(params, t.eval_samples, self.rank, self.world_size)
         self.autocast = torch.autocast(self.device.type, dtype=torch.bfloat16) if t.dtype == "bfloat16" else nullcontext()
         if t.dtype == "bfloat16" and self.device.type == "cpu" and not cpu_bf16():
             say("warning: train.dtype=bfloat16 on a CPU without native bf16 (no AMX, AVX512_BF16 or Arm BF16) is "
@@ -80,8 +83,6 @@ class Trainer:
         if resume is not None and t.init_from: say(f"resuming {self.run_dir}: train.init_from applies to a new run only")
         self.engine, self.optimizer, self.guard = build_engine(params, self.accelerator, resuming=resume is not None)
         self.step = self.checkpointer.restore(resume, self.engine, self.guard)
-        self.loader = make_loader(params, self.rank, self.world_size, start_step=self.step)
-        self.heldout = HeldOut(params, t.eval_samples, self.rank, self.world_size)
         self.throughput = Throughput(params, self.world_size, gpu_in_use(params))
         trackers = make_trackers(t.trackers, self.run_dir, params, self.step + 1) if self.rank == 0 else []
         profile = t.profile  # made only when asked for: a run without a profile pays nothing for it
