@@ -102,7 +102,8 @@ def _data_check(args) -> None:
 
 # %% ../nbs/90_cli.ipynb #f6fe2de0
 def _fail(error: Exception) -> int:
-    print(f"marin-study: error: {error}", file=sys.stderr)
+    # under a launcher every process meets the same error: rank 0 prints it once, as the trainer's `say` does
+    if int(os.environ.get("RANK", 0)) == 0: print(f"marin-study: error: {error}", file=sys.stderr)
     return 2
 
 def _profile_sets(spec: str | None) -> list[str]:
@@ -112,11 +113,14 @@ def _profile_sets(spec: str | None) -> list[str]:
     return [f"train.profile.start={start}", f"train.profile.steps={steps or 1}"]
 
 def _train(args) -> None:
-    from marin_study.trainer.optim import BadStepsError  # imported here: torch would slow every other command
-    from marin_study.trainer.processes import TrainError
+    params = load_params(args.params, args.set + _profile_sets(args.profile))
+    from marin_study.trainer.processes import TrainError, say  # imported here: torch would slow every other command
+    procs, last = int(os.environ.get("WORLD_SIZE", 1)), min(args.until or params.train.steps, params.train.steps)
+    say(f"starting: {args.params} in {args.run_dir}, to step {last} on {procs} process{'es' if procs > 1 else ''}; "
+        "step 1 comes once the processes, data, model and DeepSpeed are up (seconds to minutes)")
+    from marin_study.trainer.optim import BadStepsError
     from marin_study.run_card import RunCard
     from marin_study.trainer.train import train
-    params = load_params(args.params, args.set + _profile_sets(args.profile))
     try: records = train(params, args.run_dir, until=args.until, callbacks=[RunCard()])
     except (TrainError, BadStepsError) as e: raise SystemExit(_fail(e)) from None
     if records and int(os.environ.get("RANK", 0)) == 0:
@@ -126,7 +130,8 @@ def _train(args) -> None:
 
 # %% ../nbs/90_cli.ipynb #c433d3f2
 def _plan(args) -> None:
-    from marin_study.parallelism import inference_plan, plan, with_layout, write_launch_configs
+    from marin_study.layout import Layout
+    from marin_study.parallelism import Plan, evaluate, inference_plan, plan, with_layout, write_launch_configs
     p = load_params(args.params, args.set)
     gpu = args.gpu or p.launch.device
     if args.inference:
@@ -147,8 +152,15 @@ def _plan(args) -> None:
             print(f"note: the fastest layout ({result.best.layout}) uses parallelism the trainer does not run; the configs "
                   f"are for the fastest one it runs ({chosen.layout})", file=sys.stderr)
         written = write_launch_configs(with_layout(p, chosen.layout, result.device), args.write_configs)
-    if args.json: print(json.dumps(result.to_json(), indent=1))
+    own = None  # the layout the params' launch section asks for, when it is planned on the params' own GPUs
+    if not args.gpus and not args.gpu and p.launch.device != "cpu":
+        mine = evaluate(p, Layout.from_params(p, gpus), result.device, args.precision, args.accounting)
+        own = (mine, Plan(p, result.device, gpus, args.mfu, [mine], args.precision, args.tokens))
+    if args.json: print(json.dumps({**result.to_json(), "params_layout": own and {
+        **own[0].row(), "fits": own[0].fits, "days": own[1].days(own[0]), "days_in_words": own[1].days_in_words(own[0])}}, indent=1))
     else:
+        if own: print(f"the params' own layout, {own[0].layout}: {'fits' if own[0].fits else 'does NOT fit'}; "
+                      f"{own[1].days_in_words(own[0])}\nthe planner's ranking of every layout on {gpus} GPUs:")
         print(result.explain(args.top))
         table = result.table(args.top)
         if len(table): print(table[["tp", "pp", "ep", "dp", "zero_stage", "micro_batch", "recompute", "gpus_used",

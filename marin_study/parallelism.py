@@ -292,6 +292,16 @@ class Plan:
         c = c or self.best
         return math.nan if c is None else self.steps * self.seconds_per_step(c) / 86400
 
+    def days_in_words(self, c: Candidate | None = None) -> str:
+        "The days with what they assume: FLOPs over GPUs x peak x MFU (given, or the model's), and the tokens."
+        c = c or self.best
+        if c is None: return "no layout fits, so no days"
+        mfu = self.mfu or c.time.mfu
+        tokens = self.steps * self.params.train.global_batch * self.params.train.seq_len
+        return (f"{self.days(c):.1f} days = {self.train_flops:.3g} FLOPs / ({c.layout.world} GPUs x "
+                f"{self.device.peak_flops / 1e15:.2f} PFLOP/s x {mfu:.1%} MFU, {'given' if self.mfu else 'modeled'}) "
+                f"for {tokens:.3g} tokens")
+
     def table(self, n: int = 10, fitting: bool = True):
         "The first `n` candidates as a DataFrame, in GB and days."
         import pandas as pd

@@ -299,3 +299,17 @@ def test_the_configs_written_are_for_the_fastest_layout_the_trainer_runs(tmp_pat
                    "--write-configs", str(tmp_path)])
     assert "uses parallelism the trainer does not run" in written.stderr
     assert load_params(tmp_path / "params.yaml").parallel.ep == chosen.layout.ep
+
+
+def test_the_535b_runs_days_are_one_number_with_its_assumptions_everywhere():
+    "The plan CLI's first line, its JSON, the launch report's metrics and the README give the same days for the run."
+    text = run([BIN / "marin-study", "plan", "params/marin-535b-a23b.yaml", "--mfu", "0.229"]).stdout.splitlines()[0]
+    days = re.search(r"([\d.]+) days = ([\d.e+]+) FLOPs / \((\d+) GPUs x ([\d.]+) PFLOP/s x ([\d.]+)% MFU, given\)", text)
+    assert days and days.group(3) == "704" and days.group(5) == "22.9", text
+    own = json.loads(run([BIN / "marin-study", "plan", "params/marin-535b-a23b.yaml", "--mfu", "0.229", "--json"]).stdout)
+    assert own["params_layout"]["days_in_words"] in text and own["params_layout"]["ep"] == 64
+    assert float(days.group(2)) == pytest.approx(own["train_flops"], rel=1e-2)
+    assert float(days.group(1)) == pytest.approx(float(days.group(2)) / (704 * float(days.group(4)) * 1e15 * 0.229) / 86400, rel=2e-3)
+    report = json.loads((ROOT / "reports/cluster_launch.json").read_text())
+    assert f"{report['days']:.1f}" == days.group(1) and report["gpus"] == 704
+    assert f"**{days.group(1)} days**" in (ROOT / "README.md").read_text()
