@@ -3,7 +3,9 @@ import configparser
 import os
 import re
 import shutil
+import shlex
 import subprocess
+import textwrap
 
 from conftest import BIN, ROOT, run
 
@@ -69,3 +71,70 @@ def test_no_chapter_cites_a_file_outside_the_repository():
              for path in sorted((ROOT / "nbs").rglob("*.ipynb"))
              for line in path.read_text().splitlines() for match in [outside.search(line)] if match]
     assert not cited, "chapters must stand alone in the repository; bring what they cite into their prose:\n" + "\n".join(cited)
+
+
+def readme_commands_after_the_first_block() -> list[str]:
+    "Every command in the README's bash and console blocks after the first (.ci/run's), as written, comments dropped."
+    text = (ROOT / "README.md").read_text()
+    blocks = re.findall(r"^```(bash|console)\n(.*?)^```", text, re.S | re.M)[1:]
+    lines = [l.removeprefix("$ ") for kind, body in blocks for l in body.splitlines()
+             if l.strip() and (kind == "bash" or l.startswith("$ "))]
+    return [shlex.join(shlex.split(l, comments=True)) for l in lines]
+
+
+def marin_study_part(command: str) -> list[str] | None:
+    "The arguments given to marin-study in a command (itself, or under torchrun, accelerate, deepspeed), or None."
+    words = shlex.split(command)
+    return words[words.index("marin-study") + 1:] if "marin-study" in words else None
+
+
+CHEAP = ("plan ", "launch slurm ", "params show ")  # seconds each: these run as written
+
+
+def test_every_readme_command_parses_and_the_cheap_ones_run_as_written(tmp_path):
+    from marin_study.cli import parser
+    commands = readme_commands_after_the_first_block()
+    kit = [(c, marin_study_part(c)) for c in commands if marin_study_part(c) is not None]
+    assert len(kit) >= 25, kit
+    for command, args in kit:  # every flag, choice and type the README uses exists: argparse exits 2 on any other
+        parsed = parser().parse_args(args)
+        assert callable(parsed.run), command
+    ran = 0
+    for command, args in kit:
+        if not " ".join(args).startswith(CHEAP): continue
+        args = [str(tmp_path / "plan") if a == "runs/plan" else a for a in args]  # the test writes nothing in the clone
+        submit = args[:2] == ["launch", "slurm"] and "--dry-run" not in args
+        done = run([BIN / "marin-study", *args, *(["--dry-run"] if submit else [])], check=False)
+        if args[0] == "params" and "top_k=40" in command:  # the README shows this one's refusal, word for word
+            assert done.returncode == 2 and "model.top_k: 40 is not between 1 and n_experts (32)" in done.stderr
+        else:
+            assert done.returncode == 0 and "Traceback" not in done.stderr, (command, done.stderr[-2000:])
+            if args[:2] == ["launch", "slurm"]: assert done.stdout.startswith("#!/bin/bash") and "srun" in done.stdout
+        ran += 1
+    assert ran >= 5 and (tmp_path / "plan/deepspeed.json").is_file()
+    others = [c for c in commands if marin_study_part(c) is None]
+    assert {shlex.split(c)[0] for c in others} <= {"dvc", "curl"}, others  # dvc's: the next test; curl needs a server
+
+
+def test_the_readmes_dvc_experiment_overrides_run_as_written_and_leave_the_params_file_alone(tmp_path):
+    "README's `dvc exp run --temp -S ...` lines, on a scratch DVC repository with the kit's tiny params and one stage."
+    experiments = [c for c in readme_commands_after_the_first_block() if c.startswith("dvc exp run")]
+    assert len(experiments) == 2 and all("--temp" in c for c in experiments)
+    (tmp_path / "params").mkdir()
+    shutil.copy(ROOT / "params/tiny.yaml", tmp_path / "params/tiny.yaml")
+    (tmp_path / "dvc.yaml").write_text(textwrap.dedent("""\
+        stages:
+          ladder:
+            cmd: python -c "import yaml; t = yaml.safe_load(open('params/tiny.yaml'))['train']; print(t['lr'], t.get('spike_sigmas'), file=open('seen.txt', 'w'))"
+            params: [{params/tiny.yaml: [train]}]
+            outs: [seen.txt]
+        """))
+    for cmd in (["git", "init", "-q"], ["dvc", "init", "-q"], ["git", "add", "-A"],
+                ["git", "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "scratch"]):
+        run(cmd, cwd=tmp_path)
+    before = (tmp_path / "params/tiny.yaml").read_bytes()
+    for command in experiments:
+        run(shlex.split(command), cwd=tmp_path)
+        assert (tmp_path / "params/tiny.yaml").read_bytes() == before, command  # the workspace's file, untouched
+    shown = run(["dvc", "exp", "show", "--json"], cwd=tmp_path).stdout
+    assert "0.0003" in shown and "8.0" in shown  # each experiment ran with its override
