@@ -83,20 +83,26 @@ def _params_files(parameters: dict[str, Any]) -> list[Path]:
         elif path.is_dir() and (path / "params.yaml").is_file(): found.append(path / "params.yaml")
     return found
 
+def _literal(source: str):
+    "A parameter's default as a value; an expression (not a literal) stays its source text."
+    import ast
+    try: return ast.literal_eval(source)
+    except (ValueError, SyntaxError): return source
+
 def provenance(nb) -> str:
     "One Markdown line for an executed study: the notebook, its params files with their SHA-256, overrides, git commit."
-    import ast
     from papermill.translators import PythonTranslator
     from marin_study.utils import git_state, sha256_file
     cell = next((c for c in nb.cells if "parameters" in c.metadata.get("tags", [])), None)
     ran = nb.metadata.get("papermill", {})
-    parameters = {**({p.name: ast.literal_eval(p.default) for p in PythonTranslator.inspect(cell)} if cell else {}),
+    parameters = {**({p.name: _literal(p.default) for p in PythonTranslator.inspect(cell)} if cell else {}),
                   **ran.get("parameters", {})}
     files = _params_files(parameters)
     named = ", ".join(f"`{p}` (sha256 `{sha256_file(p)[:12]}`)" for p in files) or "none among the parameters"
     overrides = "; overrides " + ", ".join(f"`{o}`" for o in parameters["overrides"]) if parameters.get("overrides") else ""
-    commit = git_state().get("git_commit") or "unknown"
-    return f"*Made from `{ran.get('input_path', 'this notebook')}` at git commit `{str(commit)[:12]}`; params: {named}{overrides}.*"
+    git = git_state()
+    commit = f"`{git['git_commit'][:12]}`" + (" with uncommitted changes" if git["git_dirty"] else "") if git["git_commit"] else "unknown"
+    return f"*Made from `{ran.get('input_path', 'this notebook')}` at git commit {commit}; params: {named}{overrides}.*"
 
 # %% ../nbs/10_studies.ipynb #56e7b97a
 def local_kernel_manager(base=None):
