@@ -146,9 +146,9 @@ def _stretches(flagged, gap: int = 2) -> list[tuple[int, int]]:
     breaks = np.flatnonzero(np.diff(rows) > gap)
     return [(int(rows[a]), int(rows[b])) for a, b in zip(np.r_[0, breaks + 1], np.r_[breaks, len(rows) - 1])]
 
-def _rolling_baseline(series: pd.Series, th) -> pd.Series:
-    "The median of the previous `window` values: what a value at each row is judged against."
-    return series.rolling(th.window, min_periods=max(5, th.window // 2)).median().shift(1)
+def _rolling_baseline(series: pd.Series, th, min_periods: int | None = None) -> pd.Series:
+    "The median of the previous `window` values (at least `min_periods` of them): what a value at each row is judged against."
+    return series.rolling(th.window, min_periods=min_periods or max(5, th.window // 2)).median().shift(1)
 
 # %% ../nbs/08_analysis.ipynb #8730e5c8
 def _leak(df, vocab_size, th) -> list[Finding]:
@@ -303,7 +303,7 @@ def _router_collapse(df, th) -> list[Finding]:
 def _grad_spikes(df, th) -> list[Finding]:
     if "grad_norm" not in df.columns: return []
     norm = pd.to_numeric(df["grad_norm"], errors="coerce")
-    baseline = _rolling_baseline(norm, th)
+    baseline = _rolling_baseline(norm, th, min_periods=3)  # a median of 3 is robust to one outlier; a 5x jump is no noise
     flagged = ((norm > th.grad_spike_ratio * baseline) | ~np.isfinite(norm) & norm.notna()).to_numpy()
     return [Finding("grad_spike", int(df["step"].iloc[i]), int(df["step"].iloc[j]), "warning",
                     {"peak_grad_norm": float(norm.iloc[i:j + 1].max()), "baseline": float(baseline.iloc[i]),

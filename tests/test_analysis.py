@@ -273,6 +273,15 @@ def test_gradient_spikes_and_skipped_steps_are_findings(running_count):
     assert not warnings(diagnose(noisy, VOCAB))
 
 
+def test_the_interface_external_checks_use_for_gradients_and_skips():
+    "A short frame with only step, loss, grad_norm and bad_steps: the spike and the skips are found, even early on."
+    steps = np.arange(1, 41)
+    df = pd.DataFrame({"step": steps, "loss": 9.0 * steps ** -0.1, "grad_norm": np.where(steps == 8, 60.0, 0.5),
+                       "bad_steps": np.cumsum(np.isin(steps, [8, 9]))})
+    found = {f.kind: f for f in diagnose(df)}
+    assert found["grad_spike"].start_step == 8 and found["skipped_steps"].evidence["steps"] == "8-9"
+
+
 def test_one_skipped_step_is_a_warning_naming_it_with_the_guards_reason():
     df = healthy(4)
     df["skipped"] = None
