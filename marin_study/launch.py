@@ -15,7 +15,7 @@ from pathlib import Path
 import yaml
 
 from .config import Params, YamlLoader, dump_params, load_params, parse_value, save_params
-from .utils import atomic_write, git_state, split_assignment
+from .utils import atomic_write, git_state, sha256_file, split_assignment
 from .layout import Layout, layout_refusals
 from .parallelism import write_launch_configs
 from .studies import run_study, study_parameters
@@ -247,7 +247,8 @@ def launch_sweep(params_path: str | Path, notebook: str | Path, grid: dict[str, 
             task["parameters"]["params_path"] = str(folder / "params.yaml")
         task["parameters"].update({k: str(folder / v) for k, v in TASK_OUTPUTS.items() if k in declared})
     atomic_write(out / "tasks.json", json.dumps({"notebook": str(notebook.absolute()), "params": str(params_path),
-                                                 "grid": grid, "commit": git_commit(), "tasks": tasks}, indent=1) + "\n")
+                                                 "params_sha256": sha256_file(params_path), "grid": grid, "commit": git_commit(),
+                                                 "tasks": tasks}, indent=1) + "\n")
     array = submit(atomic_write(out / "array.sbatch", script))
     summary = submit(atomic_write(out / "summary.sbatch", render_summary(out, params, f"sweep-{notebook.stem}")),
                      f"--dependency=afterany:{array}")
@@ -279,8 +280,9 @@ def summarize(out: str | Path) -> Path:
                      **{k: v for k, v in summary.items() if not isinstance(v, (dict, list))}})
     table = pd.DataFrame(rows)
     atomic_write(out / "summary.csv", table.to_csv(index=False))
+    digest = f" (sha256 {spec['params_sha256'][:12]})" if "params_sha256" in spec else ""  # sweeps made before it was recorded
     title = f"Sweep of {Path(spec['notebook']).name} over {', '.join(spec['grid'])}"
     html = (f"<!doctype html><html><head><meta charset='utf-8'><title>{title}</title></head><body>"
-            f"<h1>{title}</h1><p>params {spec['params']}, commit {spec['commit']}; {len(rows)} tasks, "
+            f"<h1>{title}</h1><p>params {spec['params']}{digest}, commit {spec['commit']}; {len(rows)} tasks, "
             f"{sum(r['status'] == 'ok' for r in rows)} ok</p>{table.to_html(index=False)}</body></html>\n")
     return atomic_write(out / "summary.html", html)

@@ -12,6 +12,7 @@ import pytest
 from conftest import BIN, ROOT, command, quick_params, run
 from marin_study.config import save_params
 from marin_study.trainer.metrics import MetricsLog
+from marin_study.utils import sha256_file
 from test_trainer import losses
 
 STEPS = 16
@@ -144,7 +145,8 @@ def test_a_three_task_papermill_array_and_its_summary(slurm, tmp_path):
     table = pd.read_csv(tmp_path / "sweep/summary.csv")
     assert list(table["status"]) == ["ok"] * 3 and list(table["train.steps"]) == [100000, 200000, 400000]
     assert table["days"].iloc[1] == pytest.approx(2 * table["days"].iloc[0]) and table["days"].iloc[2] == pytest.approx(4 * table["days"].iloc[0])
-    assert "<table" in (tmp_path / "sweep/summary.html").read_text()
+    html = (tmp_path / "sweep/summary.html").read_text()
+    assert "<table" in html and f"params params/marin-535b-a23b.yaml (sha256 {sha256_file(ROOT / 'params/marin-535b-a23b.yaml')[:12]})" in html
 
 
 def test_the_launch_study_shows_plan_script_days_and_cost_and_submits_nothing(project_copy):
