@@ -3,6 +3,7 @@
 # %% ../nbs/10_studies.ipynb #ba855a62
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -73,14 +74,20 @@ def render_html(notebook: str | Path, html: str | Path, title: str | None = None
     return atomic_write(html, notebook_html(nb, title or Path(html).stem, source=notebook))
 
 # %% ../nbs/10_studies.ipynb #f2a3b4c5
-def _params_files(parameters: dict[str, Any]) -> list[Path]:
-    "The params YAML files a study's parameters name: a .yaml path, or a folder (a run, an export) that holds params.yaml."
+def _params_files(parameters: dict[str, Any]) -> list[tuple[str, str]]:
+    """(params file, its SHA-256) for each that a study's parameters name: a .yaml path or glob, a run folder's
+    params.yaml, or the run an export came from (its marin_export.json records the run and its params' hash)."""
+    import glob
+    from marin_study.utils import sha256_file
     found = []
-    for value in parameters.values():
-        if not isinstance(value, str) or not value: continue
+    for value in (v for v in parameters.values() if isinstance(v, str) and v):
         path = Path(value)
-        if path.suffix in (".yaml", ".yml") and path.is_file(): found.append(path)
-        elif path.is_dir() and (path / "params.yaml").is_file(): found.append(path / "params.yaml")
+        if path.suffix in (".yaml", ".yml"): found += [(p, sha256_file(p)) for p in sorted(glob.glob(value)) if Path(p).is_file()]
+        elif (path / "params.yaml").is_file(): found.append((str(path / "params.yaml"), sha256_file(path / "params.yaml")))
+        elif (path / "marin_export.json").is_file():
+            record = json.loads((path / "marin_export.json").read_text())
+            if "source_run" in record and "params_sha256" in record:
+                found.append((f"{record['source_run']}/params.yaml (via {value})", record["params_sha256"]))
     return found
 
 def _literal(source: str):
@@ -92,13 +99,13 @@ def _literal(source: str):
 def provenance(nb) -> str:
     "One Markdown line for an executed study: the notebook, its params files with their SHA-256, overrides, git commit."
     from papermill.translators import PythonTranslator
-    from marin_study.utils import git_state, sha256_file
+    from marin_study.utils import git_state
     cell = next((c for c in nb.cells if "parameters" in c.metadata.get("tags", [])), None)
     ran = nb.metadata.get("papermill", {})
     parameters = {**({p.name: _literal(p.default) for p in PythonTranslator.inspect(cell)} if cell else {}),
                   **ran.get("parameters", {})}
     files = _params_files(parameters)
-    named = ", ".join(f"`{p}` (sha256 `{sha256_file(p)[:12]}`)" for p in files) or "none among the parameters"
+    named = ", ".join(f"`{p}` (sha256 `{digest[:12]}`)" for p, digest in files) or "none among the parameters"
     overrides = "; overrides " + ", ".join(f"`{o}`" for o in parameters["overrides"]) if parameters.get("overrides") else ""
     git = git_state()
     commit = f"`{git['git_commit'][:12]}`" + (" with uncommitted changes" if git["git_dirty"] else "") if git["git_commit"] else "unknown"

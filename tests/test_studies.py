@@ -147,6 +147,7 @@ def test_dvc_repro_trains_the_tiny_study_reports_on_it_and_a_second_repro_resume
     assert all(s["finish_reason"] == "stop" or s["new_tokens"] == 48 for s in samples)
     html = (project_copy / "reports/generate_tiny.html").read_text()
     assert not remote_references(html) and "greedy tokens equal" in html and "sampled" in html
+    assert f"params.yaml (via runs/tiny/export)</code> (sha256 <code>{record['params_sha256'][:12]}" in html  # the run it came from
     # what it can do: lm-eval on the checkpoints of steps 100, 200 and 300, a report, and DVC metrics to compare runs
     rows = json.loads((project_copy / "runs/tiny/eval.json").read_text())
     assert sorted({r["step"] for r in rows}) == [100, 200, 300] and not any(r["contaminated"] for r in rows)
