@@ -3,8 +3,10 @@
 # %% ../../nbs/07j_train.ipynb #356d04f0
 from __future__ import annotations
 
+import gc
 import os
 import time
+import traceback
 from contextlib import nullcontext
 from pathlib import Path
 from typing import Sequence
@@ -167,13 +169,19 @@ class Trainer:
 def train(params: Params, run_dir: str | os.PathLike, until: int | None = None,
           callbacks: Sequence[Callback] = ()) -> list[dict]:
     "Train (or resume) the run in `run_dir`; the library's entry point behind `marin-study train`."
-    run_dir = Path(run_dir)
-    trainer = Trainer(params, run_dir, until, callbacks)
+    run_dir, trainer = Path(run_dir), None
     try:
+        trainer = Trainer(params, run_dir, until, callbacks)
         if trainer.rank == 0 and not (run_dir / "params.yaml").exists(): atomic_write(run_dir / "params.yaml", dump_params(params))
         return trainer.fit()
     except BaseException as error:
-        for callback in trainer.callbacks: callback.on_fit_error(trainer, error)
+        for callback in trainer.callbacks if trainer else (): callback.on_fit_error(trainer, error)
+        # the frames of a failed run hold its engine and process group: freed now, not at the interpreter's exit,
+        # where gloo's threads can abort the process (SIGABRT instead of the error's own exit status)
+        traceback.clear_frames(error.__traceback__)
         raise
     finally:
-        trainer.close()
+        if trainer: trainer.close()
+        elif dist.is_initialized(): dist.destroy_process_group()
+        gc.collect()
+
