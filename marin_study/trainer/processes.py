@@ -3,21 +3,26 @@
 # %% ../../nbs/07e_processes.ipynb #2ba8b513
 from __future__ import annotations
 
+import fcntl
 import json
 import os
+import signal
 import socket
 import sys
+import time
+import weakref
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
 from ..config import Params
 from ..layout import Layout, layout_refusals
 from .deepspeed import deepspeed_config
 
 # %% auto #0
-__all__ = ['TrainError', 'say', 'single_process_env', 'join_processes', 'expert_parallel_marker', 'split_experts',
-           'make_accelerator']
+__all__ = ['PR_SET_PDEATHSIG', 'LOCK_FILE', 'TrainError', 'say', 'die_with_launcher', 'single_process_env', 'join_processes',
+           'expert_parallel_marker', 'split_experts', 'make_accelerator', 'RunLock', 'lock_run_dir']
 
 # %% ../../nbs/07e_processes.ipynb #9b086827
 class TrainError(RuntimeError):
@@ -27,6 +32,18 @@ class TrainError(RuntimeError):
 def say(message: str) -> None:
     "Print `message` to stderr on rank 0 only: one line per run, not one per process."
     if int(os.environ.get("RANK", 0)) == 0: print(message, file=sys.stderr, flush=True)
+
+# %% ../../nbs/07e_processes.ipynb #b8d7e459
+PR_SET_PDEATHSIG = 1  # from <linux/prctl.h>
+
+def die_with_launcher() -> None:
+    "Under torchrun on Linux, have the kernel send this worker SIGTERM when its launcher process dies."
+    if "TORCHELASTIC_RUN_ID" not in os.environ or not sys.platform.startswith("linux"): return
+    import ctypes
+    launcher = os.getppid()
+    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+    if os.getppid() != launcher: os.kill(os.getpid(), signal.SIGTERM)  # it died before the request took hold
+
 
 # %% ../../nbs/07e_processes.ipynb #272b8c53
 def single_process_env() -> None:
@@ -42,6 +59,7 @@ def single_process_env() -> None:
 def join_processes(params: Params) -> tuple[int, int]:
     "This process's rank and the world size, once the layout is one the trainer runs and the CPU threads are shared out."
     single_process_env()
+    die_with_launcher()
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     layout = Layout.from_params(params, world_size)
     if refusals := layout_refusals(params.model, layout, params.train.global_batch, world_size, trainer=True):
@@ -97,3 +115,53 @@ def make_accelerator(params: Params, world_size: int):
     accelerator = Accelerator(deepspeed_plugin=plugin, kwargs_handlers=handlers,
                               gradient_accumulation_steps=t.global_batch // (t.micro_batch * world_size))
     return accelerator, plugin
+
+# %% ../../nbs/07e_processes.ipynb #b2d1e803
+LOCK_FILE = "trainer.lock"
+
+class RunLock:
+    "The OS lock on `run_dir/trainer.lock`: `acquire` it for the run's life, `release` it (or exit) to let another in."
+    def __init__(self, run_dir: str | os.PathLike):
+        self.path, self._release = Path(run_dir) / LOCK_FILE, None
+
+    def acquire(self) -> RunLock:
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            file = open(self.path, "a+", encoding="utf-8")
+        except OSError as e:
+            raise TrainError(f"{self.path}: cannot create the run's lock ({e.strerror}); train in a folder you can write") from None
+        file.seek(0)
+        try: fcntl.flock(file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = file.read().strip() or "another process"
+            file.close()
+            raise TrainError(f"{self.path.parent} is in use by the trainer with {holder}: wait for it to end or stop "
+                             "it, or train in another --run-dir") from None
+        if stale := file.read().strip(): say(f"{self.path}: taking over from the trainer with {stale}, which has ended")
+        file.seek(0)
+        file.truncate()
+        file.write(f"PID {os.getpid()} on {socket.gethostname()}, since {time.strftime('%Y-%m-%d %H:%M:%S')}\n")
+        file.flush()
+        self._release = weakref.finalize(self, _unlock, file)  # also when the lock is dropped or the interpreter exits
+        return self
+
+    def release(self) -> None:
+        if self._release: self._release()
+
+def _unlock(file) -> None:
+    file.seek(0)
+    file.truncate()  # an empty file: ended cleanly, not stale
+    file.close()  # closing drops the flock
+
+
+# %% ../../nbs/07e_processes.ipynb #e5a4b126
+def lock_run_dir(run_dir: str | os.PathLike, rank: int) -> RunLock | None:
+    "Rank 0's lock on `run_dir` (None on other ranks); every rank raises the same TrainError when another trainer holds it."
+    lock, refusal = None, [None]
+    if rank == 0:
+        try: lock = RunLock(run_dir).acquire()
+        except TrainError as e: refusal[0] = str(e)
+    if dist.is_initialized(): dist.broadcast_object_list(refusal, src=0)
+    if refusal[0]: raise TrainError(refusal[0])
+    return lock
+

@@ -14,7 +14,7 @@ from typing import Sequence
 import torch
 import torch.distributed as dist
 
-from ..config import Params, dump_params
+from ..config import Params
 from ..data.mixture import make_loader
 from ..hardware import cpu_bf16
 from ..model import Transformer, use_recompute
@@ -26,9 +26,8 @@ from .metrics import (
     AUX_LOSS, BAD_STEPS, EVAL_LOSS, GRAD_NORM, LOGIT_Z_LOSS, LOSS, LR, MOE_BIAS_NORM, MOE_MAX_LOAD, MOE_MIN_LOAD,
     ROUTER_Z_LOSS, SKIP_REASON, SKIPPED, STEP, TOKENS, MetricsLog, Throughput, cuda_keys, gpu_in_use, router_health)
 from .optim import GuardedAdamW, StepGuard, param_groups
-from .processes import TrainError, join_processes, make_accelerator, say, split_experts
+from .processes import TrainError, join_processes, lock_run_dir, make_accelerator, say, split_experts
 from .schedule import lr_at
-from ..utils import atomic_write
 
 # %% auto #0
 __all__ = ['build_engine', 'Trainer', 'train']
@@ -70,6 +69,7 @@ class Trainer:
         self.rank, self.world_size = join_processes(params)
         self.metrics = MetricsLog(self.run_dir / "metrics.jsonl")
         self.accelerator, plugin = make_accelerator(params, self.world_size)
+        self.lock = lock_run_dir(self.run_dir, self.rank)  # before anything in the folder is read or written
         self.device = self.accelerator.device
         self.checkpointer = Checkpointer(params, self.run_dir, self.rank, self.world_size, self.metrics,
                                          barrier=self.accelerator.wait_for_everyone)
@@ -160,10 +160,11 @@ class Trainer:
         return records
 
     def close(self) -> None:
-        "Close the callbacks, then release DeepSpeed and the process group (ZeRO-3 can abort at exit otherwise)."
+        "Close the callbacks, release DeepSpeed and the process group (ZeRO-3 can abort at exit otherwise), then the folder."
         for callback in self.callbacks: callback.close()
         self.engine.destroy()
         if dist.is_initialized(): dist.destroy_process_group()
+        if self.lock: self.lock.release()
 
 # %% ../../nbs/07j_train.ipynb #ea602d9c
 def train(params: Params, run_dir: str | os.PathLike, until: int | None = None,
@@ -172,7 +173,7 @@ def train(params: Params, run_dir: str | os.PathLike, until: int | None = None,
     run_dir, trainer = Path(run_dir), None
     try:
         trainer = Trainer(params, run_dir, until, callbacks)
-        if trainer.rank == 0 and not (run_dir / "params.yaml").exists(): atomic_write(run_dir / "params.yaml", dump_params(params))
+        trainer.checkpointer.record_params(trainer.step)  # the run folder's params.yaml; a changed one is kept, not lost
         return trainer.fit()
     except BaseException as error:
         for callback in trainer.callbacks if trainer else (): callback.on_fit_error(trainer, error)
