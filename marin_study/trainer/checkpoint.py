@@ -16,7 +16,8 @@ from unittest import mock
 from ..utils import atomic_write, sha256_file
 
 # %% auto #0
-__all__ = ['MANIFEST', 'checkpoint_name', 'write_manifest', 'verify', 'UnsafeCheckpoint', 'safe_loading', 'Checkpoints']
+__all__ = ['MANIFEST', 'checkpoint_name', 'write_manifest', 'verify', 'UnsafeCheckpoint', 'safe_loading', 'Checkpoints',
+           'quarantine', 'newest_complete', 'after_failed_write']
 
 # %% ../../nbs/07b_checkpoint.ipynb #14b8f427
 MANIFEST = "MANIFEST.json"
@@ -120,3 +121,34 @@ class Checkpoints:
         doomed = rolling[:-self.keep] if self.keep else rolling
         for step in doomed: shutil.rmtree(self.root / checkpoint_name(step))
         return doomed
+
+# %% ../../nbs/07b_checkpoint.ipynb #6b1d2e47
+def quarantine(checkpoints: Checkpoints, step: int) -> Path:
+    "Set checkpoint `step` aside as `.damaged`, or `.damaged-2`, ... when the same step was set aside before."
+    folder, n = checkpoints.root / checkpoint_name(step), 1
+    while (aside := folder.with_name(folder.name + (".damaged" if n == 1 else f".damaged-{n}"))).exists(): n += 1
+    os.replace(folder, aside)
+    return aside
+
+def newest_complete(checkpoints: Checkpoints) -> Path | None:
+    "The newest checkpoint with a manifest: the one a resume picks unless its files were damaged since (no hashing)."
+    steps = reversed(checkpoints.steps())
+    return next((f for s in steps if ((f := checkpoints.root / checkpoint_name(s)) / MANIFEST).is_file()), None)
+
+def _size(n: float) -> str:
+    for unit, scale in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if n >= scale: return f"{n / scale:.1f} {unit}"
+    return f"{n:.0f} bytes"
+
+def after_failed_write(run_dir: str | os.PathLike, needed: float = 0) -> str:
+    "What a run that could not write in `run_dir` says after the cause: the room there, and where it resumes."
+    checkpoints, where = Checkpoints(Path(run_dir) / "checkpoints"), Path(run_dir).absolute()
+    while not where.exists(): where = where.parent
+    free = shutil.disk_usage(where).free
+    room = (f"a checkpoint needs about {_size(needed)}, {_size(free)} are free there" if needed
+            else f"{_size(free)} are free there")
+    newest = newest_complete(checkpoints)
+    resume = f"{newest} (step {int(newest.name.removeprefix('step-'))})" if newest else "step 0 (no checkpoint was completed)"
+    return (f"{room}{'' if os.access(where, os.W_OK) else ' and the folder is read-only'}; the checkpoints already "
+            f"saved are intact: once there is room (and the folder is writable), run the same command again to "
+            f"resume from {resume}")

@@ -12,9 +12,11 @@ import re
 import shutil
 import subprocess
 import sys
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterator
+from unittest import mock
 
 import numpy as np
 import torch
@@ -22,7 +24,8 @@ import torch.distributed as dist
 
 from ..model import Experts
 from ..config import Params, dump_params, load_params, split_init_from
-from .checkpoint import MANIFEST, Checkpoints, UnsafeCheckpoint, checkpoint_name, safe_loading, verify
+from .checkpoint import (
+    MANIFEST, Checkpoints, UnsafeCheckpoint, after_failed_write, checkpoint_name, quarantine, safe_loading, verify)
 from .metrics import MetricsLog
 from .optim import StepGuard
 from .processes import TrainError, say
@@ -31,7 +34,8 @@ from ..utils import atomic_write
 # %% auto #0
 __all__ = ['ROUTED_EXPERTS', 'check_same_experiment', 'newest_valid', 'rng_state', 'set_rng_state', 'whole_parameters',
            'join_expert_parallel', 'to_universal', 'restore_buffers', 'expert_share', 'restore_expert_share',
-           'joined_experts', 'Resume', 'Checkpointer', 'load_weights', 'initial_weights']
+           'joined_experts', 'Resume', 'settings_changed', 'record_params', 'checkpoint_size', 'failures_kept',
+           'Checkpointer', 'load_weights', 'initial_weights']
 
 # %% ../../nbs/07h_checkpointer.ipynb #7a6fe700
 def check_same_experiment(run_dir: str | os.PathLike, params: Params) -> None:
@@ -57,8 +61,7 @@ def newest_valid(checkpoints: Checkpoints) -> tuple[Path | None, dict | None]:
                          f"start over from step 0 on top of them: move them away or use a new --run-dir")
     if folder is None: return None, None
     for step in checkpoints.steps():
-        damaged = checkpoints.root / checkpoint_name(step)
-        if step > int(folder.name.removeprefix("step-")): os.replace(damaged, damaged.with_name(damaged.name + ".damaged"))
+        if step > int(folder.name.removeprefix("step-")): quarantine(checkpoints, step)
     return folder, json.loads((folder / "trainer.json").read_text())
 
 # %% ../../nbs/07h_checkpointer.ipynb #d97ac077
@@ -97,8 +100,8 @@ def whole_parameters(source: Path, ep: int, keys: tuple[str, ...]) -> Iterator[t
     "Each parameter of the ZeRO 1-2 checkpoint in DeepSpeed folder `source` (`ep`-way experts): name, whole `keys` states."
     rank_of = lambda path: int(re.search(r"zero_pp_rank_(\d+)_", path.name)[1])
     files = sorted(source.glob("*zero_pp_rank_*_optim_states.pt"), key=rank_of)
-    shards = [torch.load(path, map_location="cpu", mmap=True)["optimizer_state_dict"] for path in files]
-    shapes = torch.load(source / "mp_rank_00_model_states.pt", map_location="cpu", mmap=True)["param_shapes"]
+    shards = [torch.load(path, map_location="cpu", mmap=True, weights_only=True)["optimizer_state_dict"] for path in files]
+    shapes = torch.load(source / "mp_rank_00_model_states.pt", map_location="cpu", mmap=True, weights_only=True)["param_shapes"]
     for g, group in enumerate(shards[0]["base_optimizer_state"]["param_groups"]):
         blocks = [range(e, len(shards), ep) for e in range(ep)] if group.get("moe") else [range(len(shards))]
         for name, shape in shapes[g].items():
@@ -113,7 +116,7 @@ def join_expert_parallel(source: Path, out: Path, ep: int) -> None:
         (out / "zero" / name).mkdir(parents=True)
         for key, value in states.items():
             torch.save(value if key == "step" else _universal_entry(name, value), out / "zero" / name / f"{key}.pt")
-    rank_0 = torch.load(next(source.glob("*zero_pp_rank_0_*optim_states.pt")), map_location="cpu", mmap=True)["optimizer_state_dict"]
+    rank_0 = torch.load(next(source.glob("*zero_pp_rank_0_*optim_states.pt")), map_location="cpu", mmap=True, weights_only=True)["optimizer_state_dict"]
     sharded = ("base_optimizer_state", "single_partition_of_fp32_groups", "param_slice_mappings")
     common = {k: v for k, v in rank_0.items() if k not in sharded}
     torch.save({**common, "param_groups": rank_0["base_optimizer_state"]["param_groups"]}, out / "zero/optimizer_state.pt")
@@ -124,14 +127,14 @@ def _ds_to_universal(folder: Path, target: Path) -> None:
     "DeepSpeed's `ds_to_universal` of checkpoint `folder` (without expert parallelism) into `target`, routed experts marked."
     source = folder / "deepspeed"
     # DeepSpeed's converter unpickles in a process of its own: every file is read weights-only here first
-    for path in sorted(source.glob("*.pt")): torch.load(path, map_location="cpu")
+    for path in sorted(source.glob("*.pt")): torch.load(path, map_location="cpu", weights_only=True)
     done = subprocess.run([sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder",
                            str(source), "--output_folder", str(target), "--inject_missing_state",
                            "--num_extract_workers", "1", "--num_merge_workers", "1"], capture_output=True, text=True)
     if done.returncode: raise TrainError(f"converting {folder} to a universal checkpoint failed:\n{done.stderr[-2000:]}")
     for param in (p for p in (target / "zero").iterdir() if p.name.endswith(ROUTED_EXPERTS)):
         for key in ("fp32", "exp_avg", "exp_avg_sq"):
-            torch.save(_universal_entry(param.name, torch.load(param / f"{key}.pt")["param"]), param / f"{key}.pt")
+            torch.save(_universal_entry(param.name, torch.load(param / f"{key}.pt", weights_only=True)["param"]), param / f"{key}.pt")
 
 
 def to_universal(folder: Path, out: Path, param_groups: list[dict]) -> None:
@@ -145,12 +148,12 @@ def to_universal(folder: Path, out: Path, param_groups: list[dict]) -> None:
         # DeepSpeed's loader walks the saved groups beside its own and stops at the shorter list, so a group that
         # expert parallelism adds must be there: the new layout's groups go in, with their own settings
         common = out / "deepspeed/zero/optimizer_state.pt"
-        torch.save({**torch.load(common), "param_groups": param_groups}, common)
+        torch.save({**torch.load(common, weights_only=True), "param_groups": param_groups}, common)
 
 
 def restore_buffers(module: torch.nn.Module, folder: Path) -> None:
     "Copy the buffers (balancing biases) saved in checkpoint `folder` into `module`: a universal checkpoint has none."
-    with safe_loading(): saved = torch.load(folder / "deepspeed/mp_rank_00_model_states.pt", map_location="cpu")["module"]
+    with safe_loading(): saved = torch.load(folder / "deepspeed/mp_rank_00_model_states.pt", map_location="cpu", weights_only=True)["module"]
     with torch.no_grad():
         for name, buffer in module.named_buffers():
             if name in saved: buffer.copy_(saved[name])
@@ -170,7 +173,7 @@ def restore_expert_share(module: torch.nn.Module, folder: Path) -> None:
     "Copy this rank's share of the routed experts back from checkpoint `folder` (nothing to do without expert parallelism)."
     if (share := expert_share(module)) is None: return
     name, weights = share
-    saved = torch.load(folder / name, map_location="cpu")
+    saved = torch.load(folder / name, map_location="cpu", weights_only=True)
     with torch.no_grad():
         for key, weight in weights.items(): weight.copy_(saved[key])
 
@@ -180,7 +183,7 @@ def joined_experts(folder: Path, module_state: dict[str, torch.Tensor], ep: int)
     paths = [folder / f"experts-{r:03d}-of-{ep:03d}.pt" for r in range(ep)] if ep > 1 else []
     if missing := [p.name for p in paths if not p.is_file()]:
         raise TrainError(f"{folder}: the expert-parallel shares {', '.join(missing)} are missing; the checkpoint is incomplete")
-    shares = [torch.load(path, map_location="cpu") for path in paths]
+    shares = [torch.load(path, map_location="cpu", weights_only=True) for path in paths]
     return {**module_state, **{key: torch.cat([share[key] for share in shares]) for key in (shares[0] if shares else {})}}
 
 # %% ../../nbs/07h_checkpointer.ipynb #acbd8123
@@ -190,6 +193,48 @@ class Resume:
     folder: Path
     state: dict
     convert: bool
+
+# %% ../../nbs/07h_checkpointer.ipynb #c7a8e5b3
+def _flat(section: dict, prefix: str = "") -> dict:
+    return {k: v for key, value in section.items()
+            for k, v in (_flat(value, f"{prefix}{key}.") if isinstance(value, dict) else {f"{prefix}{key}": value}).items()}
+
+def settings_changed(before: Params, now: Params) -> dict[str, list]:
+    "Each key whose value differs between two params: {'train.lr': [old, new]}."
+    old, new = _flat(before.to_dict()), _flat(now.to_dict())
+    return {k: [old.get(k), new.get(k)] for k in sorted(old.keys() | new.keys()) if old.get(k) != new.get(k)}
+
+def record_params(run_dir: str | os.PathLike, params: Params, step: int) -> Path | None:
+    "Write `run_dir`/params.yaml; a different one there is kept first as params-until-step-`step`.yaml (returned)."
+    path, text = Path(run_dir) / "params.yaml", dump_params(params)
+    if path.exists() and path.read_text() == text: return None
+    kept, n = None, 1
+    if path.exists():
+        while (kept := path.with_name(f"params-until-step-{step}{'' if n == 1 else f'-{n}'}.yaml")).exists(): n += 1
+        atomic_write(kept, path.read_text())
+    atomic_write(path, text)
+    return kept
+
+def checkpoint_size(params: Params) -> float:
+    "One checkpoint's bytes as the planner predicts them (`marin-study doctor` counts the same): fp32 weights, Adam moments."
+    from marin_study.layout import Layout
+    from marin_study.trainer.deepspeed import model_state_memory
+    weights, _, optimizer = model_state_memory(params.model, Layout(), precision="fp32", accounting="runtime")
+    return weights + optimizer
+
+@contextmanager
+def failures_kept(engine, failures: list[str]):
+    "While the block saves, the engine's writes append why they failed to `failures` instead of raising."
+    def kept(write):
+        def attempt(*args, **kwargs):
+            try: return write(*args, **kwargs)
+            except (OSError, RuntimeError) as e:  # torch's writer reports a full disk as a RuntimeError
+                failures.append(str(e) if isinstance(e, OSError) else f"{args[-1] if args else write.__name__}: {e}")
+        return attempt
+    with ExitStack() as stack:
+        for owner, name in ((getattr(engine, "checkpoint_engine", None), "save"), (engine, "_copy_recovery_script")):
+            if hasattr(owner, name): stack.enter_context(mock.patch.object(owner, name, kept(getattr(owner, name))))
+        yield
 
 # %% ../../nbs/07h_checkpointer.ipynb #483e9eb8
 class Checkpointer:
@@ -247,36 +292,75 @@ class Checkpointer:
                 elif self.params.parallel.ep > 1: restore_expert_share(engine.module, folder)
                 self.barrier()
                 if resume.convert and self.rank == 0: shutil.rmtree(load_dir)
-                if (rng := folder / f"rng-{self.rank}.pt").exists(): set_rng_state(torch.load(rng))
+                if (rng := folder / f"rng-{self.rank}.pt").exists(): set_rng_state(torch.load(rng, weights_only=True))
         except UnsafeCheckpoint as e: raise TrainError(str(e)) from None
         guard.load_state_dict(state["guard"])
-        if self.rank == 0: self.metrics.truncate(state["metrics_offset"])
+        if self.rank == 0:
+            if lost := self.metrics.lost(state["metrics_offset"], state["step"]): say(f"warning: {lost}")
+            self.metrics.truncate(state["metrics_offset"])
         say(f"resumed from {folder} at step {state['step']} (sample {state['samples']:,})")
+        if self.rank == 0 and (folder / "params.yaml").is_file():
+            if changed := settings_changed(load_params(folder / "params.yaml"), self.params):
+                say(f"warning: resuming with changed settings, applied from step {state['step'] + 1} and recorded in "
+                    f"{self.run_dir / 'params.yaml'} and {self.metrics.path.name}: "
+                    + "; ".join(f"{key} {old!r} -> {new!r}" for key, (old, new) in changed.items()))
+                self.metrics.note(params_changed=changed)
         return state["step"]
 
     def save(self, engine, step: int, guard: StepGuard) -> Path:
-        "Save the run after `step`: every rank writes its part, rank 0 seals the checkpoint. Returns its folder."
-        if self.rank == 0: self.checkpoints.begin(step)
-        self.barrier()
+        """Save the run after `step`: every rank writes its part, rank 0 seals the checkpoint. Returns its folder.
+        A failed write on any rank stops every rank with the same TrainError, the staging folder removed."""
         staging = self.checkpoints.staging(step)
-        engine.save_checkpoint(str(staging), tag="deepspeed", save_latest=False)
-        torch.save(rng_state(), staging / f"rng-{self.rank}.pt")
-        if self.params.parallel.ep > 1 and self.rank < self.params.parallel.ep:  # the first expert-parallel group
-            name, weights = expert_share(engine.module)
-            torch.save(weights, staging / name)
-        self.barrier()
-        final = self.checkpoints.root / checkpoint_name(step)
-        if self.rank == 0:
-            t = self.params.train
-            state = {"step": step, "samples": step * t.global_batch, "tokens": step * t.global_batch * t.seq_len,
-                     "world_size": self.world_size, "zero_stage": self.params.parallel.zero_stage,
-                     "ep": self.params.parallel.ep,
-                     "metrics_offset": self.metrics.offset(), "guard": guard.state_dict()}
-            atomic_write(staging / "trainer.json", json.dumps(state, indent=1) + "\n")
-            atomic_write(staging / "params.yaml", dump_params(self.params))
-            final = self.checkpoints.commit(step)
-        self.barrier()
-        return final
+        failed = self._agree(self._attempt(lambda: self.checkpoints.begin(step)) if self.rank == 0 else None)
+        if failed is None: failed = self._agree(self._write_part(engine, staging))
+        if failed is None: failed = self._agree(self._attempt(lambda: self._seal(step, guard)) if self.rank == 0 else None)
+        if failed is not None:
+            if self.rank == 0: shutil.rmtree(staging, ignore_errors=True)
+            raise TrainError(f"saving the checkpoint of step {step} in {self.checkpoints.root} failed ({failed}); "
+                             f"its staging folder {staging.name} is removed; "
+                             + after_failed_write(self.run_dir, checkpoint_size(self.params)))
+        return self.checkpoints.root / checkpoint_name(step)
+
+    def record_params(self, step: int) -> None:
+        "Rank 0 writes the run folder's params.yaml, keeping a different one there; if it cannot, every rank stops."
+        failed = self._agree(self._attempt(lambda: record_params(self.run_dir, self.params, step)) if self.rank == 0 else None)
+        if failed: raise TrainError(f"writing {self.run_dir / 'params.yaml'} failed ({failed}); {after_failed_write(self.run_dir)}")
+
+    def _write_part(self, engine, staging: Path) -> str | None:
+        "This rank's files of the checkpoint in `staging`; why the first write failed, or None."
+        failures = []
+        with failures_kept(engine, failures): engine.save_checkpoint(str(staging), tag="deepspeed", save_latest=False)
+        if failures: return failures[0]
+        def own_files():
+            torch.save(rng_state(), staging / f"rng-{self.rank}.pt")
+            if self.params.parallel.ep > 1 and self.rank < self.params.parallel.ep:  # the first expert-parallel group
+                name, weights = expert_share(engine.module)
+                torch.save(weights, staging / name)
+        return self._attempt(own_files)
+
+    def _seal(self, step: int, guard: StepGuard) -> None:
+        "Rank 0's part: trainer.json and params.yaml, then the manifest and the rename into place."
+        t, staging = self.params.train, self.checkpoints.staging(step)
+        state = {"step": step, "samples": step * t.global_batch, "tokens": step * t.global_batch * t.seq_len,
+                 "world_size": self.world_size, "zero_stage": self.params.parallel.zero_stage, "ep": self.params.parallel.ep,
+                 "metrics_offset": self.metrics.offset(), "guard": guard.state_dict()}
+        atomic_write(staging / "trainer.json", json.dumps(state, indent=1) + "\n")
+        atomic_write(staging / "params.yaml", dump_params(self.params))
+        self.checkpoints.commit(step)
+
+    @staticmethod
+    def _attempt(write: Callable[[], object]) -> str | None:
+        try: write()
+        except (OSError, RuntimeError) as e: return str(e)  # torch's writer reports a full disk as a RuntimeError
+        return None
+
+    def _agree(self, failure: str | None) -> str | None:
+        "Every rank's outcome of one phase of a save, so that all go on or all stop: the first failure, by rank."
+        outcomes = [failure]
+        if dist.is_initialized() and self.world_size > 1:
+            outcomes = [None] * self.world_size
+            dist.all_gather_object(outcomes, failure)
+        return next((f"rank {r}: {f}" if len(outcomes) > 1 else f for r, f in enumerate(outcomes) if f), None)
 
 # %% ../../nbs/07h_checkpointer.ipynb #74d87325
 def _read_weights(folder: Path) -> dict[str, torch.Tensor]:
@@ -285,10 +369,10 @@ def _read_weights(folder: Path) -> dict[str, torch.Tensor]:
         with safe_loading():
             state, source = json.loads((folder / "trainer.json").read_text()), folder / "deepspeed"
             if state["zero_stage"] == 0:  # the fp32 weights as rank 0 held them, with the experts of every ep rank
-                module = torch.load(source / "mp_rank_00_model_states.pt", map_location="cpu")["module"]
+                module = torch.load(source / "mp_rank_00_model_states.pt", map_location="cpu", weights_only=True)["module"]
                 return joined_experts(folder, module, state.get("ep", 1))
             if state.get("ep", 1) > 1:  # the optimizer's fp32 weights (the model's may be bf16), and the buffers
-                model = torch.load(source / "mp_rank_00_model_states.pt", map_location="cpu")
+                model = torch.load(source / "mp_rank_00_model_states.pt", map_location="cpu", weights_only=True)
                 weights = {name: s["fp32"] for name, s in whole_parameters(source, state["ep"], ("fp32",))}
                 return {**weights, **{name: model["module"][name] for name in model["buffer_names"]}}
             from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint

@@ -17,6 +17,8 @@ from ..accounting import KIT, FlopsConvention, MFUError, mfu, model_flops_per_to
 from ..config import Params
 from ..hardware import GB, Device, HardwareError, device, gpu_device
 from ..utils import json_lines
+from .checkpoint import after_failed_write
+from .processes import TrainError
 
 # %% auto #0
 __all__ = ['STEP', 'TOKENS', 'LOSS', 'LOGIT_Z_LOSS', 'AUX_LOSS', 'ROUTER_Z_LOSS', 'LR', 'GRAD_NORM', 'MOE_MAX_LOAD',
@@ -87,23 +89,50 @@ class MetricsLog:
     def __init__(self, path: str | os.PathLike):
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.pending = {}  # keys that go into the next record written
 
     def offset(self) -> int: return self.path.stat().st_size if self.path.exists() else 0
 
     def truncate(self, offset: int) -> None:
-        "Cut the log back to `offset` bytes (the length a checkpoint recorded)."
-        if self.path.exists() and self.path.stat().st_size > offset:
+        "Cut the log back to `offset` bytes (the length a checkpoint recorded); a shorter log, to its last whole line."
+        size = self.offset()
+        if size > offset: self._cut(offset)
+        elif size and not self.path.read_bytes().endswith(b"\n"): self._cut(self.path.read_bytes().rfind(b"\n") + 1)
+
+    def _cut(self, offset: int) -> None:
+        try:
             with open(self.path, "r+b") as f: f.truncate(offset)
+        except OSError as e: raise self._failed(e) from None
+
+    def lost(self, offset: int, step: int) -> str | None:
+        "Why the log is shorter than the `offset` bytes that the checkpoint of `step` recorded, naming the lost steps."
+        if self.offset() >= offset: return None
+        logged = [r[STEP] for r in self.read() if STEP in r]
+        first = logged[-1] + 1 if logged else 1
+        what = f"{self.path} holds {self.offset()} bytes, not the {offset}" if self.path.exists() else f"{self.path} is gone, with the {offset} bytes"
+        return (f"{what} that the checkpoint of step {step} recorded: the curve of steps {first}-{step} is lost; to keep "
+                f"it, stop now, put the file back from a backup and run again; else the run goes on with that gap")
+
+    def note(self, **keys) -> None:
+        "Add `keys` to the next record written (a resumed leg's changes, noted on its first step)."
+        self.pending.update(keys)
 
     def write(self, record: dict) -> None:
-        with open(self.path, "a") as f:
-            f.write(json.dumps(record, separators=(",", ":")) + "\n")
-            f.flush()
+        try:
+            with open(self.path, "a") as f:
+                f.write(json.dumps({**record, **self.pending}, separators=(",", ":")) + "\n")
+                f.flush()
+        except OSError as e: raise self._failed(e) from None
+        self.pending = {}
+
+    def _failed(self, error: OSError) -> TrainError:
+        return TrainError(f"writing {self.path} failed: {error.strerror or error}; {after_failed_write(self.path.parent)}")
 
     def read(self) -> list[dict]:
         "Every complete record, in order; a torn last line (a run killed while writing it) is left out."
         if not self.path.exists(): return []
         return [record for _, record in json_lines(self.path, allow_torn_tail=True) if record is not None]
+
 
 # %% ../../nbs/07f_metrics.ipynb #ee4b7366
 class Throughput:
