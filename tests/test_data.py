@@ -1,6 +1,7 @@
 "The data pipeline on real text: cleaning, dedup, held-out split, tokenizer, shards, mixture and loader."
 import dataclasses
 import json
+import sys
 from collections import Counter
 from pathlib import Path
 
@@ -354,3 +355,157 @@ def test_a_heldout_document_quoted_whole_inside_a_long_training_one_leaves_the_h
     assert contamination(tmp_path / "clean", cfg) == []
     (tmp_path / "clean/heldout/books.jsonl").open("a").write(json.dumps(entry) + "\n")
     assert ("contained", host["id"], entry["id"]) in contamination(tmp_path / "clean", cfg)
+
+
+# --- Interrupted stages, mismatched shards and bad input (issue 22) ---
+
+def tree_hashes(path: Path) -> dict[str, str]:
+    "sha256 of every file under `path` (hidden ones too: a leftover is a difference); {} when it is missing."
+    from marin_study.utils import sha256_file
+    if path.is_file(): return {".": sha256_file(path)}
+    return {str(p.relative_to(path)): sha256_file(p) for p in sorted(path.rglob("*")) if p.is_file()}
+
+
+def data_cli(action: str, raw: Path, out: Path, *sets: str, check: bool = True):
+    "`marin-study data ACTION` on the tiny params with a 1024-id tokenizer, the corpus `raw` and the outputs in `out`."
+    overrides = [f"data.dir={raw}", f"data.out_dir={out}", "model.vocab_size=1024", *sets]
+    return run(["marin-study", "data", action, str(ROOT / "params/tiny.yaml")] + [a for s in overrides for a in ("--set", s)],
+               check=check)
+
+
+OLD = {"clean": ["data.heldout_fraction=0.1"], "tokenizer": ["model.vocab_size=512"], "pack": ["data.token_dtype=uint32"]}
+OUTPUT = {"clean": "clean", "tokenizer": "tokenizer.json", "pack": "shards"}
+
+
+@pytest.fixture(scope="module")
+def staged(tmp_path_factory):
+    "A small corpus, its outputs from an uninterrupted run ('new'), and older outputs of other params ('old')."
+    root = tmp_path_factory.mktemp("staged")
+    raw = small_corpus(root / "raw", per_source=10)
+    for name, sets in (("new", []), ("old", [s for v in OLD.values() for s in v])):
+        for action in ("clean", "tokenizer", "pack"): data_cli(action, raw, root / name, *sets)
+    return root
+
+
+# The stage as `marin-study data` runs it (the CLI's own kills are drills: tests/test_drills.py), killed (SIGKILL) at its N-th os.replace (each file's commit, each folder's
+# swap) or at the replace that moves a staging folder into place.
+KILLED = """
+import os, signal, sys
+from pathlib import Path
+from marin_study.config import load_params
+stage, raw, out, when = sys.argv[1], sys.argv[2], Path(sys.argv[3]), sys.argv[4]
+p = load_params(sys.argv[5], [f"data.dir={raw}", f"data.out_dir={out}", "model.vocab_size=1024"])
+calls, replace = [0], os.replace
+def dying(src, dst):
+    calls[0] += 1
+    if str(calls[0]) == when or (when == "swap" and str(src).endswith(".staging")): os.kill(os.getpid(), signal.SIGKILL)
+    return replace(src, dst)
+os.replace = dying
+if stage == "clean":
+    from marin_study.data.clean import clean_corpus
+    clean_corpus(raw, out / "clean", p.data)
+elif stage == "tokenizer":
+    from marin_study.data.tokens import train_tokenizer
+    train_tokenizer(out / "clean", 1024, out / "tokenizer.json")
+else:
+    from marin_study.data import tokens
+    tok = tokens.load_tokenizer(out / "tokenizer.json")
+    tokens.pack_shards(out / "clean", tok, out / "shards", tokens.token_dtype(tok.get_vocab_size()))
+"""
+
+
+# every commit point of pack (a file's commit, another's, the folder's swap), the tokenizer's one file and clean's swap
+@pytest.mark.parametrize("stage, when", [("clean", "swap"), ("tokenizer", "1"), ("pack", "1"), ("pack", "4"), ("pack", "swap")])
+def test_a_stage_killed_midway_leaves_the_old_output_or_none_and_a_rerun_is_identical(staged, stage, when, tmp_path):
+    import shutil
+    out = tmp_path / "out"
+    shutil.copytree(staged / "old", out)
+    earlier = list(OUTPUT)[:list(OUTPUT).index(stage)]  # the stages before this one are up to date
+    for name in earlier:
+        target = out / OUTPUT[name]
+        shutil.rmtree(target) if target.is_dir() else target.unlink()
+        (shutil.copytree if (staged / "new" / OUTPUT[name]).is_dir() else shutil.copy)(staged / "new" / OUTPUT[name], target)
+    before = tree_hashes(out)
+    killed = run([sys.executable, "-c", KILLED, stage, str(staged / "raw"), str(out), when, str(ROOT / "params/tiny.yaml")],
+                 check=False)
+    assert killed.returncode == -9, killed.stderr[-2000:]
+    left = tree_hashes(out / OUTPUT[stage])
+    assert left in ({}, tree_hashes(staged / "old" / OUTPUT[stage]), tree_hashes(staged / "new" / OUTPUT[stage]))
+    others = {k: v for k, v in tree_hashes(out).items() if not k.startswith(OUTPUT[stage]) and not k.startswith(".")}
+    assert others == {k: v for k, v in before.items() if not k.startswith(OUTPUT[stage])}
+    for name in list(OUTPUT)[list(OUTPUT).index(stage):]:  # the rerun, and the stages after it
+        run([sys.executable, "-c", KILLED, name, str(staged / "raw"), str(out), "never", str(ROOT / "params/tiny.yaml")])
+        assert tree_hashes(out / OUTPUT[name]) == tree_hashes(staged / "new" / OUTPUT[name]), "the uninterrupted run's bytes"
+    assert not [p.name for p in out.rglob(".*")], "a killed run's staging folder or temporary file is left behind"
+
+
+def test_the_loader_refuses_shards_of_another_tokenizer_an_older_pack_or_ids_past_the_model(pipeline, tmp_path):
+    import shutil
+    from marin_study.data.tokens import train_tokenizer
+    from marin_study.utils import sha256_file
+    out = tmp_path / "out"
+    shutil.copytree(pipeline["root"] / "out/shards", out / "shards")
+    shutil.copy(pipeline["root"] / "out/tokenizer.json", out / "tokenizer.json")
+    params = dataclasses.replace(pipeline["params"], data=dataclasses.replace(pipeline["params"].data, out_dir=str(out),
+                                                                              max_epochs=1000.0))
+    make_loader(params)  # the shards and the tokenizer that packed them
+    meta_path = out / "shards/train/meta.json"
+    meta = json.loads(meta_path.read_text())
+    assert meta["tokenizer_sha256"] == sha256_file(out / "tokenizer.json")
+    assert meta["max_token_id"] == max(int(Shard(out / "shards/train", d).tokens.max()) for d in meta["domains"])
+    packed = sha256_file(out / "tokenizer.json")
+    train_tokenizer(pipeline["root"] / "out/clean", 512, out / "tokenizer.json")  # retrained, the shards not re-packed
+    with pytest.raises(DataError) as info:
+        make_loader(params)
+    for words in (packed[:12], sha256_file(out / "tokenizer.json")[:12], "dvc repro pack", "marin-study data pack"):
+        assert words in str(info.value)
+    shutil.copy(pipeline["root"] / "out/tokenizer.json", out / "tokenizer.json")
+    meta_path.write_text(json.dumps({**meta, "max_token_id": 9000}))
+    with pytest.raises(DataError, match="token id 9,000 .* model.vocab_size is 8,192"):
+        make_loader(params)
+    meta_path.write_text(json.dumps({k: v for k, v in meta.items() if k not in ("tokenizer_sha256", "max_token_id")}))
+    with pytest.raises(DataError, match="older pack.*re-pack.*dvc repro pack"):
+        make_loader(params)
+
+
+def test_heldout_shards_go_through_the_same_check(pipeline, tmp_path):
+    "A pack killed between the splits left new training shards beside old held-out ones: evaluation is refused too."
+    import shutil
+    from marin_study.data.tokens import checked_shard_meta, train_tokenizer
+    out = tmp_path / "out"
+    shutil.copytree(pipeline["root"] / "out/shards", out / "shards")
+    train_tokenizer(pipeline["root"] / "out/clean", 512, out / "tokenizer.json")
+    params = dataclasses.replace(pipeline["params"], data=dataclasses.replace(pipeline["params"].data, out_dir=str(out)))
+    with pytest.raises(DataError, match="shards/heldout.*another tokenizer"):
+        checked_shard_meta(params, "heldout")
+
+
+def bad_corpus(raw: Path, case: str) -> str:
+    "Write a corpus with one fault into `raw`; return what the error must name."
+    doc = lambda i, text=None: json.dumps({"id": f"web/{i}", "domain": "web", "source": "s", "license": "x",
+                                           "text": text or f"Document {i} tells of rivers, mills and the weather today."})
+    web = raw / "train/web.jsonl"
+    web.parent.mkdir(parents=True)
+    good = "".join(doc(i) + "\n" for i in range(5)).encode()
+    data = {"no files": None, "empty file": b"", "blank lines": b"\n\n", "broken line": good + b'{"id": "web/9", "te\n',
+            "non-UTF-8": good + doc(9).encode().replace(b"rivers", b"riv\xffers") + b"\n",
+            "huge document": good + doc(9, "river " * 1_500_000).encode() + b"\n",
+            "all filtered": "".join(doc(i, "## ##") + "\n" for i in range(3)).encode()}[case]
+    if data is None: return f"{raw}: no train/*.jsonl"
+    web.write_bytes(data)
+    return {"empty file": f"{web}: the file is empty", "blank lines": f"{web}: the file is empty",
+            "broken line": f"{web}:6: not valid JSON", "non-UTF-8": f"{web}:6: invalid UTF-8",
+            "huge document": f"{web}:6: document 'web/9' has 9,000,000 characters", "all filtered": f"{raw}: no training document"}[case]
+
+
+@pytest.mark.parametrize("case", ["no files", "empty file", "blank lines", "broken line", "non-UTF-8", "huge document",
+                                  "all filtered"])
+def test_bad_corpus_is_one_error_line_naming_file_line_and_fix_with_nothing_written(case, tmp_path):
+    raw, out = tmp_path / "raw", tmp_path / "out"
+    names = bad_corpus(raw, case)
+    result = data_cli("clean", raw, out, check=False)
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr[-3000:]
+    line = result.stderr.strip().splitlines()[-1]
+    assert result.stderr.strip().count("\n") == 0 and line.startswith("marin-study: error: ") and names in line, line
+    assert any(fix in line for fix in ("re-run", "repair", "re-encode", "split it", "loosen", "build the corpus")), line
+    assert not out.exists() or tree_hashes(out) == {}, "nothing is written"

@@ -29,7 +29,13 @@ def shards(tmp_path_factory):
     for domain in domains:
         rng.integers(1, tiny.model.vocab_size, tokens, dtype=np.uint16).tofile(folder / f"{domain}.bin")
         np.save(folder / f"{domain}.idx.npy", np.arange(0, tokens + 1, 1000, dtype=np.int64))
+    from tokenizers import Tokenizer, models
+    from marin_study.data.tokens import tokenizer_sha256
+    tokenizer = Tokenizer(models.BPE())  # any tokenizer: the shards record its hash, as a pack does
+    (out / "tokenizer.json").write_text(tokenizer.to_str(pretty=True))
     (folder / "meta.json").write_text(json.dumps({"dtype": "uint16", "vocab_size": tiny.model.vocab_size, "eod_id": 0,
+                                                  "tokenizer_sha256": tokenizer_sha256(tokenizer),
+                                                  "max_token_id": tiny.model.vocab_size - 1,
                                                   "domains": {d: {"tokens": tokens} for d in domains}}))
     return out
 
@@ -92,6 +98,7 @@ def test_missing_or_truncated_shards_fail(shards, tmp_path):
     assert [c.status for c in check_shards(tiny_with(tmp_path))] == ["fail", "fail"]
     broken = tmp_path / "broken"
     shutil.copytree(shards / "shards", broken / "shards")
+    shutil.copy(shards / "tokenizer.json", broken / "tokenizer.json")  # the shards' own tokenizer: only a shard is lost
     (broken / "shards/train/web.bin").unlink()
     found = check_shards(tiny_with(broken), "params/tiny.yaml")
     assert found[0].status == "fail" and "web.bin" in found[0].detail and "pack params/tiny.yaml" in found[0].fix

@@ -15,7 +15,7 @@ import numpy as np
 from datasketch import MinHash, MinHashLSH
 
 from ..config import DEFAULT_FILTERS, DataConfig
-from .corpus import DataError, read_jsonl
+from .corpus import DataError, read_jsonl, staged_dir
 from ..utils import atomic_write, progress, write_jsonl
 
 # %% auto #0
@@ -185,10 +185,18 @@ def clean_corpus(raw_dir: str | os.PathLike, out_dir: str | os.PathLike, cfg: Da
     for doc in survivors:
         doc["split"] = "heldout" if doc.pop("heldout_source") or doc["group"] in held else "train"
     survivors.sort(key=lambda d: (d["split"] != "heldout", d["id"]))
-    for split, domains in _deduplicate(survivors, cfg, count).items():
-        for domain, domain_docs in domains.items(): write_jsonl(out_dir / split / f"{domain}.jsonl", domain_docs)
+    kept = _deduplicate(survivors, cfg, count)
     result = {domain: dict(sorted(c.items())) for domain, c in sorted(report.items())}
-    atomic_write(out_dir / "report.json", json.dumps(result, indent=1) + "\n")
+    if not kept["train"]:
+        fates = sum((Counter({k[:-5]: v for k, v in c.items() if k.endswith("_docs") and k != "raw_docs"})
+                     for c in result.values()), Counter())
+        raise DataError(f"{raw_dir}: no training document survived cleaning (of {len(docs)}: "
+                        f"{', '.join(f'{k} {v}' for k, v in sorted(fates.items()))}); loosen data.filters (or "
+                        "data.filter_overrides), or add documents")
+    with staged_dir(out_dir) as stage:  # a kill leaves the previous cleaned corpus whole, or none
+        for split, domains in kept.items():
+            for domain, domain_docs in domains.items(): write_jsonl(stage / split / f"{domain}.jsonl", domain_docs)
+        atomic_write(stage / "report.json", json.dumps(result, indent=1) + "\n")
     return result
 
 # %% ../../nbs/06b_clean.ipynb #9e3203be

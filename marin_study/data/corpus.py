@@ -17,6 +17,7 @@ import tarfile
 import tempfile
 import urllib.parse
 import zipfile
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterator
@@ -26,10 +27,13 @@ import yaml
 from ..utils import JsonLinesError, atomic_write, json_lines, progress, write_jsonl
 
 # %% auto #0
-__all__ = ['REQUIRED', 'CACHE', 'SOURCES', 'DataError', 'read_jsonl', 'debian_package', 'pypi_file', 'Source', 'collect']
+__all__ = ['REQUIRED', 'MAX_DOC_CHARS', 'CACHE', 'SOURCES', 'DataError', 'read_jsonl', 'remove_leftovers', 'staged_dir',
+           'debian_package', 'pypi_file', 'Source', 'collect']
 
 # %% ../../nbs/06a_corpus.ipynb #1f81496a
 REQUIRED = ("id", "domain", "source", "license", "text")  # group defaults to the id
+# 10x the collected corpus's longest document (a 0.8 MB stdlib module); filtering and dedup hold ~30x a text in memory
+MAX_DOC_CHARS = 8_000_000
 
 class DataError(ValueError):
     "Bad data: the message names the file (and line) and what to do."
@@ -46,7 +50,38 @@ def read_jsonl(path: str | os.PathLike) -> Iterator[dict]:
         doc.setdefault("group", doc["id"])
         if not isinstance(doc["text"], str):
             raise DataError(f"{path}:{number}: 'text' must be a string")
+        if len(doc["text"]) > MAX_DOC_CHARS:
+            raise DataError(f"{path}:{number}: document {doc['id']!r} has {len(doc['text']):,} characters, more than the "
+                            f"{MAX_DOC_CHARS:,} one document may have; split it into smaller documents (chapters, "
+                            "sections) or remove it")
         yield doc
+
+# %% ../../nbs/06a_corpus.ipynb #6b8e1d42
+def _fsync_dir(folder: Path) -> None:
+    fd = os.open(folder, os.O_RDONLY)
+    try: os.fsync(fd)  # the renames themselves reach the disk
+    finally: os.close(fd)
+
+def remove_leftovers(path: str | os.PathLike) -> None:
+    "Remove the temporary files that a killed `atomic_write` of `path` left beside it."
+    for leftover in Path(path).parent.glob(f".{Path(path).name}.*.tmp"): leftover.unlink(missing_ok=True)
+
+@contextmanager
+def staged_dir(folder: str | os.PathLike) -> Iterator[Path]:
+    "An empty staging folder that replaces `folder` whole when the block ends without an error."
+    folder = Path(folder)
+    staging, old = folder.with_name(f".{folder.name}.staging"), folder.with_name(f".{folder.name}.old")
+    for leftover in (staging, old): shutil.rmtree(leftover, ignore_errors=True)  # from a killed run
+    staging.mkdir(parents=True)
+    try:
+        yield staging
+        # two renames: a kill between them leaves no output, which the next run rebuilds; never a mix of old and new
+        if folder.exists(): os.replace(folder, old)
+        os.replace(staging, folder)
+        _fsync_dir(folder.parent)
+    finally:
+        for leftover in (staging, old): shutil.rmtree(leftover, ignore_errors=True)
+
 
 # %% ../../nbs/06a_corpus.ipynb #714d0456
 CACHE = Path(os.environ.get("MARIN_STUDY_CACHE", Path.home() / ".cache" / "marin-study")) / "sources"

@@ -15,7 +15,7 @@ import torch
 
 from ..config import DataConfig, Params
 from .corpus import DataError
-from .tokens import Shard, load_tokenizer, shard_dir, shard_meta
+from .tokens import Shard, checked_shard_meta, load_tokenizer, shard_dir, shard_meta  # noqa: F401 (bench)
 from ..layout import Layout, layout_refusals
 
 # %% auto #0
@@ -161,10 +161,7 @@ def make_loader(params: Params, rank: int = 0, world_size: int = 1, start_step: 
     if refusals := layout_refusals(params.model, Layout.from_params(params, world_size), t.global_batch, world_size,
                                    trainer=True):
         raise DataError(f"cannot load batches for {world_size} processes: " + "; ".join(map(str, refusals)))
-    vocab = shard_meta(shard_dir(params))["vocab_size"]
-    if vocab > params.model.vocab_size:
-        raise DataError(f"{shard_dir(params)}: the shards use {vocab:,} token ids but model.vocab_size is "
-                        f"{params.model.vocab_size:,}; retrain the tokenizer (dvc repro tokenizer pack) or raise model.vocab_size")
+    checked_shard_meta(params)  # the tokenizer that packed them, and no id past the model's embedding
     mixture = Mixture(params.data, shard_dir(params), t.seq_len, t.global_batch, total_samples=t.steps * t.global_batch)
     sampler = StepSampler(t.global_batch, t.steps, rank, world_size, start_step)
     return torch.utils.data.DataLoader(MixtureDataset(mixture), batch_size=t.micro_batch, sampler=sampler,

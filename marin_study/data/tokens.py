@@ -3,6 +3,7 @@
 # %% ../../nbs/06c_tokens.ipynb #42ec41ce
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 from pathlib import Path
@@ -11,12 +12,12 @@ import numpy as np
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from ..config import Params
-from .corpus import DataError, read_jsonl
+from .corpus import DataError, read_jsonl, remove_leftovers, staged_dir
 from ..utils import atomic_write, progress
 
 # %% auto #0
-__all__ = ['EOD', 'clean_files', 'train_tokenizer', 'load_tokenizer', 'bytes_per_token', 'token_dtype', 'pack_split',
-           'shard_meta', 'Shard', 'shard_dir']
+__all__ = ['EOD', 'clean_files', 'train_tokenizer', 'tokenizer_sha256', 'load_tokenizer', 'bytes_per_token', 'token_dtype',
+           'pack_split', 'pack_shards', 'shard_meta', 'Shard', 'shard_dir', 'checked_shard_meta']
 
 # %% ../../nbs/06c_tokens.ipynb #273749a0
 EOD = "<|endoftext|>"
@@ -36,8 +37,13 @@ def train_tokenizer(clean_dir: str | os.PathLike, vocab_size: int, path: str | o
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     texts = [d["text"] for p in clean_files(clean_dir, "train").values() for d in read_jsonl(p)]
     tokenizer.train_from_iterator(texts, trainer, length=len(texts))
+    remove_leftovers(path)  # a killed run's
     atomic_write(path, tokenizer.to_str(pretty=True))
     return load_tokenizer(path)
+
+def tokenizer_sha256(tokenizer: Tokenizer) -> str:
+    "The sha256 of the tokenizer's JSON as `train_tokenizer` saves it: the sha256 of its tokenizer.json."
+    return hashlib.sha256(tokenizer.to_str(pretty=True).encode()).hexdigest()
 
 def load_tokenizer(path: str | os.PathLike) -> Tokenizer:
     "A trained tokenizer that reads `<|endoftext|>` inside a text as plain text, never as a document boundary."
@@ -68,30 +74,39 @@ def token_dtype(vocab_size: int, requested: str = "auto") -> np.dtype:
 
 # %% ../../nbs/06c_tokens.ipynb #731aeec5
 def pack_split(clean_dir, tokenizer: Tokenizer, out_dir, split: str, dtype: np.dtype, batch_docs: int = 512) -> dict:
-    "Encode every domain of `split` into a shard; return its metadata."
-    eod = tokenizer.token_to_id(EOD)
-    out_dir, meta = Path(out_dir, split), {}
-    for domain, path in progress(clean_files(clean_dir, split).items(), desc=f"pack {split}", unit="domain"):
-        texts = [d["text"] for d in read_jsonl(path)]
-        parts, offsets = [], [0]
-        for start in range(0, len(texts), batch_docs):
-            for encoding in tokenizer.encode_batch(texts[start:start + batch_docs]):
-                parts.append(np.asarray(encoding.ids + [eod], dtype=dtype))
-                offsets.append(offsets[-1] + len(parts[-1]))
-        tokens = np.concatenate(parts)
-        atomic_write(out_dir / f"{domain}.bin", tokens.tobytes())
-        idx = np.asarray(offsets, dtype=np.int64)
-        atomic_write(out_dir / f"{domain}.idx.npy", _npy_bytes(idx))
-        meta[domain] = {"tokens": int(len(tokens)), "documents": len(texts), "bytes": sum(len(t.encode()) for t in texts)}
-    info = {"dtype": dtype.name, "vocab_size": tokenizer.get_vocab_size(), "eod_id": eod, "domains": meta}
-    atomic_write(out_dir / "meta.json", json.dumps(info, indent=1) + "\n")
+    "Encode every domain of `split` into a shard, written whole into `out_dir/split`; return its metadata."
+    eod, meta, top = tokenizer.token_to_id(EOD), {}, 0
+    files = clean_files(clean_dir, split)
+    with staged_dir(Path(out_dir, split)) as stage:  # a kill leaves the previous shards whole, or none
+        for domain, path in progress(files.items(), desc=f"pack {split}", unit="domain"):
+            texts = [d["text"] for d in read_jsonl(path)]
+            parts, offsets = [], [0]
+            for start in range(0, len(texts), batch_docs):
+                for encoding in tokenizer.encode_batch(texts[start:start + batch_docs]):
+                    parts.append(np.asarray(encoding.ids + [eod], dtype=dtype))
+                    offsets.append(offsets[-1] + len(parts[-1]))
+            tokens = np.concatenate(parts)
+            top = max(top, int(tokens.max()))
+            atomic_write(stage / f"{domain}.bin", tokens.tobytes())
+            atomic_write(stage / f"{domain}.idx.npy", _npy_bytes(np.asarray(offsets, dtype=np.int64)))
+            meta[domain] = {"tokens": int(len(tokens)), "documents": len(texts), "bytes": sum(len(t.encode()) for t in texts)}
+        # what the loader checks against the run's tokenizer and model: an embedding indexed past its end is no error
+        info = {"dtype": dtype.name, "vocab_size": tokenizer.get_vocab_size(), "eod_id": eod,
+                "tokenizer_sha256": tokenizer_sha256(tokenizer), "max_token_id": top, "domains": meta}
+        atomic_write(stage / "meta.json", json.dumps(info, indent=1) + "\n")
     return info
+
+def pack_shards(clean_dir, tokenizer: Tokenizer, out_dir, dtype: np.dtype) -> dict[str, dict]:
+    "Both splits' shards, written whole into `out_dir` (`shards/`): never new training shards beside old held-out ones."
+    with staged_dir(out_dir) as stage:
+        return {split: pack_split(clean_dir, tokenizer, stage, split, dtype) for split in ("train", "heldout")}
 
 def _npy_bytes(array: np.ndarray) -> bytes:
     import io
     buffer = io.BytesIO()
     np.save(buffer, array)
     return buffer.getvalue()
+
 
 # %% ../../nbs/06c_tokens.ipynb #91f86468
 def shard_meta(folder: str | os.PathLike) -> dict:
@@ -127,3 +142,24 @@ class Shard:
 def shard_dir(params: Params, split: str = "train") -> Path:
     "Where the params' token shards of `split` ('train' or 'heldout') are."
     return Path(params.data.out_dir) / "shards" / split
+
+# %% ../../nbs/06c_tokens.ipynb #9e4b6a25
+def checked_shard_meta(params: Params, split: str = "train") -> dict:
+    "The metadata of the params' shards of `split`, once they are checked against the params' tokenizer and model."
+    folder, tokenizer_path = shard_dir(params, split), Path(params.data.out_dir) / "tokenizer.json"
+    meta, vocab = shard_meta(folder), params.model.vocab_size
+    fix = "re-pack them: `dvc repro pack` (or `marin-study data pack PARAMS`)"
+    if "tokenizer_sha256" not in meta or "max_token_id" not in meta:
+        raise DataError(f"{folder}/meta.json: shards of an older pack, with no tokenizer hash or largest id to check; {fix}")
+    packed, current = meta["tokenizer_sha256"], tokenizer_sha256(load_tokenizer(tokenizer_path))
+    if packed != current:
+        raise DataError(f"{folder}: packed with another tokenizer (sha256 {packed[:12]}) than {tokenizer_path} "
+                        f"(sha256 {current[:12]}); {fix}")
+    if meta["vocab_size"] > vocab:
+        raise DataError(f"{folder}: the shards use {meta['vocab_size']:,} token ids but model.vocab_size is {vocab:,}; "
+                        "retrain the tokenizer (dvc repro tokenizer pack) or raise model.vocab_size")
+    if meta["max_token_id"] >= vocab:
+        raise DataError(f"{folder}: the shards hold token id {meta['max_token_id']:,} but model.vocab_size is {vocab:,} "
+                        f"(ids must be below it); {fix}")
+    return meta
+

@@ -12,7 +12,7 @@ import torch.distributed as dist
 
 from ..config import Params
 from ..data.corpus import DataError
-from ..data.tokens import Shard, load_tokenizer, shard_dir, shard_meta
+from ..data.tokens import Shard, checked_shard_meta, load_tokenizer, shard_dir
 from .metrics import EVAL_BPB, EVAL_LOSS, domain_key
 
 # %% auto #0
@@ -73,7 +73,7 @@ class HeldOut:
         folder, seq, t = shard_dir(params, "heldout"), params.train.seq_len, params.train
         self.every, self.last = t.eval_every, t.steps
         self.bytes_V = token_bytes(load_tokenizer(Path(params.data.out_dir) / "tokenizer.json"))
-        self.domains, self.windows = sorted(shard_meta(folder)["domains"]), {}
+        self.domains, self.windows = sorted(checked_shard_meta(params, "heldout")["domains"]), {}
         for domain in self.domains:
             shard = Shard(folder, domain)
             if len(shard.offsets) < 2: raise DataError(f"{folder}/{domain}.bin: no documents to evaluate; re-run `dvc repro pack`")
