@@ -57,18 +57,61 @@ KINDS = {"leak": "initial loss far below ln(vocab): the model already knows the 
          "bad_input": "a problem in the curve file itself (torn line, duplicated or unordered steps)"}
 
 # %% ../nbs/08_analysis.ipynb #e2c852c0
-def _read_records(path: Path) -> tuple[list[dict], list[Finding]]:
+def _read_records(path: Path) -> tuple[list[dict], list[Finding], list[str]]:
+    "Records, the problems met, and where each record is in the file (`path:line`, for errors that name it)."
     text = path.read_text(encoding="utf-8")
     if not text.strip(): raise AnalysisError(f"{path}: the file is empty; point at a run's metrics.jsonl or an exported history")
     if text.lstrip().startswith("["):
-        try: return json.loads(text), []
+        try: numbered = list(enumerate(json.loads(text), 1))
         except json.JSONDecodeError as e: raise AnalysisError(f"{path}:{e.lineno}: not valid JSON ({e.msg})") from None
-    try: lines = list(json_lines(path, allow_torn_tail=True))
-    except JsonLinesError as e: raise AnalysisError(str(e)) from None
-    problems = [Finding("bad_input", -1, -1, "info", {"line": number},
-                        f"{path}:{number}: the last line is torn (a killed run) and was left out")
-                for number, record in lines if record is None]
-    return [record for _, record in lines if record is not None], problems
+        where = [f"{path}: record {n}" for n, _ in numbered]
+        problems = []
+    else:
+        try: lines = list(json_lines(path, allow_torn_tail=True))
+        except JsonLinesError as e: raise AnalysisError(str(e)) from None
+        problems = [Finding("bad_input", -1, -1, "info", {"line": number},
+                            f"{path}:{number}: the last line is torn (a killed run) and was left out")
+                    for number, record in lines if record is None]
+        numbered = [(number, record) for number, record in lines if record is not None]
+        where = [f"{path}:{n}" for n, _ in numbered]
+    for at, (_, record) in zip(where, numbered):
+        if not isinstance(record, dict): raise AnalysisError(f"{at}: not a JSON object but {record!r:.40}; each record maps names to values")
+    return [record for _, record in numbered], problems, where
+
+def _read_table(path: Path) -> tuple[pd.DataFrame, list[Finding], list[str]]:
+    "A CSV or JSON file as a frame, the problems met, and where each row is in the file."
+    try:
+        if path.suffix != ".csv":
+            records, problems, where = _read_records(path)
+            return pd.DataFrame(records), problems, where
+        df = pd.read_csv(path, skip_blank_lines=False)  # a blank line keeps its row, so row i is line i + 2
+        return df, [], [f"{path}:{i + 2}" for i in range(len(df))]
+    except pd.errors.EmptyDataError: raise AnalysisError(f"{path}: the file is empty") from None
+    except pd.errors.ParserError as e: raise AnalysisError(f"{path}: not a CSV table ({' '.join(str(e).split())})") from None
+    except UnicodeDecodeError as e:
+        raise AnalysisError(f"{path}: not UTF-8 text (byte {e.start}); re-encode the file as UTF-8") from None
+    except OSError as e: raise AnalysisError(f"{path}: cannot be read ({e.strerror})") from None
+
+
+# %% ../nbs/08_analysis.ipynb #8d2e3f40
+def _not_a_number(value) -> bool:
+    if value is None or isinstance(value, (int, float)): return False
+    try: float(value)
+    except (TypeError, ValueError): return str(value).strip() != ""
+    return False
+
+def _as_numbers(df: pd.DataFrame, where: list[str], source_names: dict[str, str]) -> pd.DataFrame:
+    "Text columns as numbers (pandas 3 reads text as `str`, older pandas as `object`); `step` and `loss` must be numbers."
+    for name in df.columns:
+        if name in ("skip_reason", MFU_CONVENTION) or pd.api.types.is_numeric_dtype(df[name]): continue
+        if name in ("step", "loss") and (bad := np.flatnonzero(df[name].map(_not_a_number).to_numpy(dtype=bool))).size:
+            value, column = df[name].iloc[bad[0]], source_names.get(name, name)
+            raise AnalysisError(f"{where[bad[0]]}: '{column}' is {value!r}, not a number ({bad.size} such row(s)); fix or "
+                                f"delete those rows, or point mapping={{'{name}': '<column>'}} at the column that holds it")
+        if df[name].dtype == object or pd.api.types.is_string_dtype(df[name]):
+            df[name] = pd.to_numeric(df[name], errors="coerce")
+    return df
+
 
 # %% ../nbs/08_analysis.ipynb #baf9512e
 def load_curves(path: str | os.PathLike, mapping: dict[str, str] | None = None, run: str | None = None) -> pd.DataFrame:
@@ -77,24 +120,20 @@ def load_curves(path: str | os.PathLike, mapping: dict[str, str] | None = None, 
     path = Path(path)
     if path.is_dir(): path = path / "metrics.jsonl"
     if not path.is_file(): raise AnalysisError(f"{path}: no such file; give a run folder, metrics.jsonl or a CSV/JSON export")
-    if path.suffix == ".csv":
-        try: df, problems = pd.read_csv(path), []
-        except pd.errors.EmptyDataError: raise AnalysisError(f"{path}: the file is empty") from None
-    else:
-        records, problems = _read_records(path)
-        df = pd.DataFrame(records)
+    df, problems, where = _read_table(path)
     if df.empty: raise AnalysisError(f"{path}: no rows")
     names = {**KIT_NAMES, **{k: v for k, v in WANDB_NAMES.items() if v not in df.columns}}
     names.update({source: kit for kit, source in (mapping or {}).items()})
     missing_sources = [s for s in (mapping or {}).values() if s not in df.columns]
     if missing_sources:
         raise AnalysisError(f"{path}: mapped column(s) {missing_sources} not in the file (columns: {', '.join(map(str, df.columns))})")
-    df = df.rename(columns={c: n for c, n in names.items() if c in df.columns})
+    renamed = {c: n for c, n in names.items() if c in df.columns}
+    df = df.rename(columns=renamed)
     for needed in ("step", "loss"):
         if needed not in df.columns:
-            raise AnalysisError(f"{path}: no '{needed}' column (columns: {', '.join(map(str, df.columns))}); pass "
-                                f"mapping={{'{needed}': '<column>'}} (or --map {needed}=<column>)")
-    df = df.apply(lambda col: pd.to_numeric(col, errors="coerce") if col.dtype == object and col.name not in ("skip_reason", MFU_CONVENTION) else col)
+            raise AnalysisError(f"{path}: no '{needed}' column (columns: {', '.join(map(str, df.columns))}); rename the "
+                                f"column that holds it to '{needed}', or pass load_curves(..., mapping={{'{needed}': '<column>'}})")
+    df = _as_numbers(df, where, {n: c for c, n in renamed.items()})
     df = df.dropna(subset=["step"])
     df["step"] = df["step"].astype(np.int64)
     if not df["step"].is_monotonic_increasing:
@@ -407,7 +446,9 @@ def diagnose(df: pd.DataFrame, vocab_size: int | None = None, thresholds: Thresh
     for needed in ("step", "loss"):
         if needed not in df.columns: raise AnalysisError(f"diagnose: the curves have no '{needed}' column (columns: {', '.join(map(str, df.columns))})")
     df = df.dropna(subset=["step"]).sort_values("step", kind="stable").drop_duplicates("step", keep="last").reset_index(drop=True)
-    if "loss" in df and df["loss"].isna().all(): raise AnalysisError("diagnose: every loss is missing")
+    if df["loss"].isna().all():
+        raise AnalysisError(f"{df.attrs.get('source', 'the curves')}: every 'loss' is empty or NaN ({len(df)} rows): the run diverged "
+                            "at its first step, or its losses are in another column: point mapping={'loss': '<column>'} at it")
     eval_only = df["loss"].isna() & (df["eval_loss"].notna() if "eval_loss" in df.columns else False)  # W&B-style eval rows
     train = df[~eval_only].reset_index(drop=True)  # a missing loss anywhere else is a failed step
     findings = list(df.attrs.get("problems", [])) + _divergence(train, th) + _skipped_steps(train, th)

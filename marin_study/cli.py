@@ -74,6 +74,7 @@ def _data_clean(args) -> None:
     print("contamination check: no training document duplicates a held-out one (exactly or nearly)")
 
 def _data_tokenizer(args) -> None:
+    from marin_study.data.corpus import remove_leftovers
     from marin_study.data.tokens import bytes_per_token, train_tokenizer
     p = load_params(args.params, args.set)
     if p.model.vocab_size < 257:
@@ -82,18 +83,18 @@ def _data_tokenizer(args) -> None:
     out = Path(p.data.out_dir)
     tokenizer = train_tokenizer(out / "clean", p.model.vocab_size, out / "tokenizer.json")
     ratio = bytes_per_token(tokenizer, out / "clean")
+    remove_leftovers(out / "tokenizer_report.json")  # a killed run's temporary file beside it
     atomic_write(out / "tokenizer_report.json", json.dumps({"vocab_size": tokenizer.get_vocab_size(), "bytes_per_token": ratio}, indent=1) + "\n")
     print(f"tokenizer: {tokenizer.get_vocab_size():,} ids; held-out bytes per token: "
           + ", ".join(f"{d} {r:.2f}" for d, r in ratio.items()))
 
 def _data_pack(args) -> None:
-    from marin_study.data.tokens import load_tokenizer, pack_split, token_dtype
+    from marin_study.data.tokens import load_tokenizer, pack_shards, token_dtype
     p = load_params(args.params, args.set)
     out = Path(p.data.out_dir)
     tokenizer = load_tokenizer(out / "tokenizer.json")
     dtype = token_dtype(tokenizer.get_vocab_size(), p.data.token_dtype)
-    for split in ("train", "heldout"):
-        meta = pack_split(out / "clean", tokenizer, out / "shards", split, dtype)
+    for split, meta in pack_shards(out / "clean", tokenizer, out / "shards", dtype).items():
         print(f"{split}: {sum(m['tokens'] for m in meta['domains'].values()):,} tokens ({dtype.name}) in {len(meta['domains'])} shards")
 
 def _data_check(args) -> None:
@@ -101,7 +102,7 @@ def _data_check(args) -> None:
     data_check(load_params(args.params, args.set))
 
 # %% ../nbs/90_cli.ipynb #f6fe2de0
-def _fail(error: Exception) -> int:
+def _fail(error: Exception | str) -> int:
     # under a launcher every process meets the same error: rank 0 prints it once, as the trainer's `say` does
     if int(os.environ.get("RANK", 0)) == 0: print(f"marin-study: error: {error}", file=sys.stderr)
     return 2
@@ -166,6 +167,21 @@ def _plan(args) -> None:
         if len(table): print(table[["tp", "pp", "ep", "dp", "zero_stage", "micro_batch", "recompute", "gpus_used",
                                     "memory_per_gpu_gb", "step_s", "mfu", "days"]].to_string(index=False, float_format="%.3g"))
     if args.write_configs: print(f"wrote {', '.join(map(str, written))}", file=sys.stderr if args.json else sys.stdout)
+
+# %% ../nbs/90_cli.ipynb #d92f6a31
+def _analyze(args) -> None:
+    from marin_study.analysis import AnalysisError, diagnose, load_curves
+    vocab = load_params(args.params, args.set).model.vocab_size if args.params else None
+    try:
+        try: mapping = dict(split_assignment(m, example="loss=train/lm_loss") for m in args.map)
+        except ValueError as e: raise AnalysisError(f"--map {e}") from None
+        found = {path: diagnose(load_curves(path, mapping), vocab) for path in args.metrics}
+    except AnalysisError as e: raise SystemExit(_fail(e)) from None
+    for path, findings in found.items():
+        count = {s: sum(f.severity == s for f in findings) for s in ("error", "warning", "info")}
+        print(f"{path}: {count['error']} error(s), {count['warning']} warning(s), {count['info']} note(s)")
+        for finding in sorted(findings, key=lambda f: ("error", "warning", "info").index(f.severity)): print(f"  {finding}")
+    if any(f.severity == "error" for findings in found.values() for f in findings): raise SystemExit(1)
 
 # %% ../nbs/90_cli.ipynb #c6e8a0b2
 def _data_evalset(args) -> None:
@@ -321,9 +337,31 @@ def _doctor(args) -> None:
     print(json.dumps(report(checks), indent=1) if args.json else table(checks))
     if any(c.status == "fail" for c in checks): raise SystemExit(1)
 
+# %% ../nbs/90_cli.ipynb #a7c31e02
+class _Parser(argparse.ArgumentParser):
+    "argparse, its usage errors in the kit's form: `marin-study: error: ...`, exit status 2, from rank 0 only."
+    def error(self, message: str):
+        if int(os.environ.get("RANK", 0)) == 0: self.print_usage(sys.stderr)
+        where = self.prog.partition(" ")[2]  # the subcommand, e.g. "train"
+        raise SystemExit(_fail(f"{where}: {message}" if where else message))
+
+def _at_least_one(text: str) -> int:
+    "An argparse type: a whole number of at least 1 (a count of GPUs, a step, a number of rows)."
+    try: value = int(text)
+    except ValueError: raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if value < 1: raise argparse.ArgumentTypeError(f"{value} is below 1; give at least 1")
+    return value
+
+def _folder(text: str) -> str:
+    "An argparse type: a folder, or a path where one can be made (no part of it is an existing file)."
+    for part in (Path(text), *Path(text).parents):
+        if part.exists() and not part.is_dir():
+            raise argparse.ArgumentTypeError(f"{part} is a file, not a folder; give a folder (made if it is missing)")
+    return text
+
 # %% ../nbs/90_cli.ipynb #b2d34797
 def parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="marin-study", description="Study, validate and launch MoE pretraining.")
+    ap = _Parser(prog="marin-study", description="Study, validate and launch MoE pretraining.")
     ap.add_argument("--local_rank", "--local-rank", type=int, help=argparse.SUPPRESS)  # the deepspeed launcher adds it
     sub = ap.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
@@ -350,8 +388,8 @@ def parser() -> argparse.ArgumentParser:
     train = sub.add_parser("train", help="train or resume a run (alone, or under torchrun, accelerate launch, deepspeed)")
     train.add_argument("params", help="a params YAML file, e.g. params/tiny.yaml")
     train.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a key, e.g. train.steps=50")
-    train.add_argument("--run-dir", required=True, help="checkpoints and metrics.jsonl go here; run again to resume")
-    train.add_argument("--until", type=int, help="stop (with a checkpoint) after this step, e.g. to split a run in legs")
+    train.add_argument("--run-dir", required=True, type=_folder, help="checkpoints and metrics.jsonl go here; run again to resume")
+    train.add_argument("--until", type=_at_least_one, help="stop (with a checkpoint) after this step, e.g. to split a run in legs")
     train.add_argument("--profile", metavar="START:STEPS", help="trace these steps with torch.profiler into RUN_DIR/profile (train.profile)")
     train.set_defaults(run=_train)
 
@@ -359,12 +397,12 @@ def parser() -> argparse.ArgumentParser:
     pl.add_argument("params", help="a params YAML file, e.g. params/marin-535b-a23b.yaml")
     pl.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a key, e.g. train.global_batch=4096")
     pl.add_argument("--gpu", help="a device from the hardware catalogue (default: launch.device)")
-    pl.add_argument("--gpus", type=int, help="how many (default: launch.nodes x launch.gpus_per_node)")
+    pl.add_argument("--gpus", type=_at_least_one, help="how many (default: launch.nodes x launch.gpus_per_node)")
     pl.add_argument("--mfu", type=float, help="an MFU measured on a real run (0.229 for 22.9%%): the days use it")
     pl.add_argument("--tokens", type=float, help="a token budget, e.g. 18e12 (default: train.steps x the batch)")
     pl.add_argument("--precision", choices=["bf16", "fp32"], default="bf16", help="bf16 weights with fp32 master (default), or all fp32")
     pl.add_argument("--accounting", choices=["runtime", "paper", "deepspeed"], default="runtime", help="bytes per parameter as counted by")
-    pl.add_argument("--top", type=int, default=5, help="how many layouts to show")
+    pl.add_argument("--top", type=_at_least_one, default=5, help="how many layouts to show")
     pl.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     pl.add_argument("--write-configs", metavar="DIR", help="write deepspeed.json and accelerate.yaml for the best layout")
     pl.add_argument("--inference", action="store_true",
@@ -377,14 +415,23 @@ def parser() -> argparse.ArgumentParser:
     pl.add_argument("--export", default="EXPORT_DIR", help="with --inference: the export folder the commands serve")
     pl.set_defaults(run=_plan)
 
+    an = sub.add_parser("analyze", help="the findings of metrics logs: spikes, plateaus, divergence, router collapse ...")
+    an.add_argument("metrics", nargs="+", help="run folders, metrics.jsonl files, or CSV/W&B history exports")
+    an.add_argument("--params", help="the run's params file: its vocabulary size enables the leak check")
+    an.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="with --params: override a key")
+    an.add_argument("--map", action="append", default=[], metavar="KIT=COLUMN",
+                    help="read a kit column from another column of an export, e.g. loss=train/lm_loss")
+    an.set_defaults(run=_analyze)
+
     launch = sub.add_parser("launch", help="submit training and sweeps to Slurm").add_subparsers(dest="action", required=True, metavar="ACTION")
     slurm = launch.add_parser("slurm", help="render an sbatch script for a params file and submit it (preemption-safe)")
     slurm.add_argument("params", help="a params YAML file, e.g. params/node.yaml")
     slurm.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a key, e.g. launch.nodes=4")
-    slurm.add_argument("--run-dir", help="the run folder (default runs/slurm/PARAMS-NAME); submit again to continue")
+    slurm.add_argument("--run-dir", type=_folder, help="the run folder (default runs/slurm/PARAMS-NAME); submit again to continue")
     slurm.add_argument("--launcher", choices=["accelerate", "torchrun", "srun"], default="accelerate",
                        help="one task per node with accelerate launch (default) or torchrun, or one task per process")
-    slurm.add_argument("--dry-run", action="store_true", help="print the script, check the params, submit nothing")
+    slurm.add_argument("--dry-run", action="store_true",
+                       help="print the script, check the params (and the partition, where Slurm answers), submit nothing")
     slurm.set_defaults(run=_launch_slurm)
     sweep = launch.add_parser("sweep", help="a Slurm job array: one papermill run of a study per grid point, then a summary")
     sweep.add_argument("file", help="a params file (with --grid), or a sweep file such as params/sweeps/lr.yaml")

@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import json
 import math
 import os
 import re
 import types as types_
+import unicodedata
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, get_args, get_origin, get_type_hints
@@ -63,14 +65,16 @@ class Problem:
     fix: str      # how to fix it
 
 class ConfigError(ValueError):
-    "Invalid params: every problem with its file, line, dotted key, what is wrong and the fix."
+    "Invalid params: every problem with its file, line, dotted key, what is wrong and the fix; one line for one problem."
     def __init__(self, problems: list[Problem], source: str = "<python>", origins: dict[str, str] | None = None):
         self.problems, self.source, self.origins = problems, source, origins or {}
-        lines = [f"{source}: {len(problems)} problem{'s' if len(problems) > 1 else ''} in the params"]
-        for p in problems:
-            where = self.origins.get(p.key, source)
-            lines.append(f"  {where}: {p.key}: {p.message} (fix: {p.fix})")
-        super().__init__("\n".join(lines))
+        wheres = [self.origins.get(p.key, source) for p in problems]
+        lines = [f"{w}: {p.key}: {p.message} (fix: {p.fix})" for w, p in zip(wheres, problems)]
+        if len(lines) == 1:  # an override has no line of its own: the file it overrides comes first
+            text = lines[0] if wheres[0].startswith(source) else f"{source}: {lines[0]}"
+        else: text = "\n  ".join([f"{source}: {len(problems)} problems in the params"] + lines)
+        super().__init__(text)
+
 
 # %% ../nbs/02_config.ipynb #a2500eb2
 def _f(default: Any = dataclasses.MISSING, *, ge=None, gt=None, le=None, lt=None):
@@ -81,10 +85,21 @@ def _f(default: Any = dataclasses.MISSING, *, ge=None, gt=None, le=None, lt=None
 def _type_name(tp) -> str:
     if get_origin(tp) is Literal: return "one of " + ", ".join(repr(a) for a in get_args(tp))
     if get_origin(tp) is types_.UnionType: return " or ".join(_type_name(a) for a in get_args(tp))
-    if get_origin(tp) is dict: return f"a mapping of names to {_type_name(get_args(tp)[1]).removeprefix('a ')}s"
+    if get_origin(tp) is dict:
+        inner = _type_name(get_args(tp)[1])
+        plural = {"an integer": "integers", "a number": "numbers", "a string": "strings"}
+        return "a mapping of names to " + plural.get(inner, inner.replace("a mapping", "mappings", 1))
     if get_origin(tp) is list: return f"a list of {_type_name(get_args(tp)[0])}"
     if dataclasses.is_dataclass(tp): return "{" + ", ".join(f.name for f in dataclasses.fields(tp)) + "}"
     return {int: "an integer", float: "a number", bool: "true or false", str: "a string"}.get(tp, str(tp).replace("typing.", ""))
+
+
+# %% ../nbs/02_config.ipynb #c3d9a0f1
+class _BadEntry(TypeError):
+    "A wrong value inside a mapping: `key` is its path below the field, so the problem names `data.mixture.web`."
+    def __init__(self, key: str, message: str, expected: str):
+        super().__init__(message)
+        self.key, self.expected = key, expected
 
 def _coerce(value: Any, tp: Any) -> Any:
     "Return `value` as type `tp` (an int is a valid float), or raise TypeError saying what was expected."
@@ -107,7 +122,12 @@ def _coerce(value: Any, tp: Any) -> Any:
         if isinstance(value, list): return [_coerce(v, args[0]) for v in value]
     elif origin is dict:
         if isinstance(value, dict) and all(isinstance(k, str) for k in value):
-            return {k: _coerce(v, args[1]) for k, v in value.items()}
+            out = {}
+            for k, v in value.items():
+                try: out[k] = _coerce(v, args[1])
+                except _BadEntry as e: raise _BadEntry(f"{k}.{e.key}", str(e), e.expected) from None
+                except TypeError as e: raise _BadEntry(k, str(e), _type_name(args[1])) from None
+            return out
     elif tp is float:
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             if math.isfinite(value): return float(value)
@@ -128,7 +148,9 @@ class Section:
         for f in dataclasses.fields(self):
             try: value = _coerce(getattr(self, f.name), types[f.name])
             except TypeError as e:
-                problems.append(Problem(f.name, str(e), f"write {f.name} as {_type_name(types[f.name])}"))
+                key, expected = ((f"{f.name}.{e.key}", e.expected) if isinstance(e, _BadEntry)
+                                 else (f.name, _type_name(types[f.name])))
+                problems.append(Problem(key, str(e), f"write {key} as {expected}"))
                 continue
             object.__setattr__(self, f.name, value)
             for bound, (ok, op) in _BOUNDS.items():
@@ -352,6 +374,27 @@ class TrainConfig(Section):
         try: split_init_from(self.init_from)
         except ValueError as e: yield Problem("init_from", str(e), "write RUN_DIR:STEP with a whole step, or a folder without ':'")
 
+# %% ../nbs/02_config.ipynb #4f5a6b7c
+_SHELL_NAME = re.compile(r"[A-Za-z0-9_.,:@%+=/-]*")  # nothing that a shell or an #SBATCH line reads specially
+_ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+_SAFE = "use only letters, digits and _ . , : @ % + = / -"
+
+def _shell_problems(launch):
+    "The launch values the sbatch script writes: names must be plain words, env values one line."
+    for key in ("device", "partition", "account", "qos"):
+        if not _SHELL_NAME.fullmatch(value := getattr(launch, key)):
+            yield Problem(key, f"{value!r} has a space, a line break or a shell character", _SAFE)
+    for module in launch.modules:
+        if not _SHELL_NAME.fullmatch(module):
+            yield Problem("modules", f"module {module!r} has a space, a line break or a shell character", _SAFE)
+    for name, value in launch.env.items():
+        if not _ENV_NAME.fullmatch(name):
+            yield Problem("env", f"{name!r} is not a shell variable name", "start with a letter or _, then letters, digits or _")
+        elif bad := [c for c in value if unicodedata.category(c) in ("Cc", "Zl", "Zp")]:
+            yield Problem(f"env.{name}", f"value {value!r} holds the control character {bad[0]!r}",
+                          "write the value on one line, without control characters (any printable text is fine)")
+
+
 # %% ../nbs/02_config.ipynb #a8080236
 @dataclass
 class ParallelConfig(Section):
@@ -361,7 +404,7 @@ class ParallelConfig(Section):
     ep: int = _f(1, ge=1)
     activation_checkpointing: Literal["none", "selective", "full"] = "none"
 
-_SLURM_TIME = re.compile(r"^(?:\d+-)?\d{1,2}:\d{2}:\d{2}$|^\d+$")
+_SLURM_TIME = re.compile(r"(?:\d+-)?\d{1,2}:\d{2}:\d{2}|\d+", re.ASCII)  # fullmatch: '$' would let a final newline in
 
 @dataclass
 class LaunchConfig(Section):
@@ -384,8 +427,9 @@ class LaunchConfig(Section):
         if self.gpus_per_node and self.procs_per_node != self.gpus_per_node:
             yield Problem("procs_per_node", f"{self.procs_per_node} processes for {self.gpus_per_node} GPUs per node",
                           "run one process per GPU: procs_per_node = gpus_per_node")
-        if self.time and not _SLURM_TIME.match(self.time):
+        if self.time and not _SLURM_TIME.fullmatch(self.time):
             yield Problem("time", f"{self.time!r} is not a Slurm time limit", "write minutes, HH:MM:SS or D-HH:MM:SS")
+        yield from _shell_problems(self)
 
 # %% ../nbs/02_config.ipynb #e02b2486
 @dataclass
@@ -460,7 +504,10 @@ def _resolve(dotted: str) -> tuple[list[str], Problem | None]:
 def _apply_override(raw: dict, override: str, origins: dict, problems: list):
     try: key, text = split_assignment(override)
     except ValueError:
-        problems.append(Problem(override, "an override must look like key=value", "write e.g. train.lr=3.0e-4"))
+        key = override.partition("=")[0].strip() or "(override)"
+        origins[key] = f"override '{override}'"
+        what = "has no key before its '='" if "=" in override else "has no '=' (an override is KEY=VALUE)"
+        problems.append(Problem(key, what, f"write {'KEY' if key == '(override)' else key}=VALUE, e.g. train.lr=3.0e-4"))
         return
     origins[key] = f"override '{override}'"
     parts, problem = _resolve(key)
@@ -511,28 +558,71 @@ def params_from_dict(raw: Any, source: str = "<dict>", origins: dict[str, str] |
     try: return Params(**sections)
     except ConfigError as e: raise ConfigError(e.problems, source, origins) from None
 
+# %% ../nbs/02_config.ipynb #e52a8b31
+def _read_text(path: Path, source: str) -> str:
+    "The params file's text, or a ConfigError saying why it cannot be read."
+    def fail(message, fix): raise ConfigError([Problem("(file)", message, fix)], source)
+    if path.is_dir():
+        inside = sorted(path.glob("*.yaml"))
+        fail("is a folder, not a params file", f"pass a file, e.g. {inside[0]}" if inside else "pass a YAML file, e.g. params/tiny.yaml")
+    try: return path.read_text(encoding="utf-8")
+    except FileNotFoundError: fail("does not exist", "check the path (presets are in params/)")
+    except UnicodeDecodeError as e: fail(f"is not UTF-8 text (byte {e.start})", "pass a YAML params file, saved as UTF-8")
+    except OSError as e: fail(f"cannot be read ({e.strerror})", "check the file's permissions")
+
+def _yaml_problem(error: yaml.YAMLError, text: str) -> tuple[Problem, int | None]:
+    "What is wrong with YAML that does not parse, and the line (1-based) where, if known."
+    mark = getattr(error, "problem_mark", None)
+    if mark is None: return Problem("(yaml)", f"is not valid YAML: {error}", "fix the file's syntax"), None
+    line = (text.splitlines() + [""])[min(mark.line, len(text.splitlines()))]
+    if line[mark.column:mark.column + 1] == "\t":
+        if not line[:mark.column].strip():
+            return Problem("(yaml)", f"a tab indents line {mark.line + 1}; YAML forbids tabs in indentation",
+                           "indent with spaces, 2 per level as the presets do"), mark.line + 1
+        return Problem("(yaml)", f"a tab at column {mark.column + 1}; YAML allows only spaces between tokens here",
+                       "replace the tab with a space"), mark.line + 1
+    context, start = getattr(error, "context", None), getattr(error, "context_mark", None)
+    opened = f" ({context} opened on line {start.line + 1})" if context and start and start.line != mark.line else ""
+    return Problem("(yaml)", f"is not valid YAML at column {mark.column + 1}: {error.problem}{opened}",
+                   "fix the syntax there: quote a value holding ': ' or ' #', close every [ and {"), mark.line + 1
+
+
+# %% ../nbs/02_config.ipynb #1b8c4d66
+def _corpus_problems(data: DataConfig) -> list[Problem]:
+    "Mixture and filter-override domains that the corpus collected in `data.dir` lacks."
+    manifest = Path(data.dir) / "SOURCES.json"
+    try: domains = sorted({str(s["domain"]) for s in json.loads(manifest.read_text(encoding="utf-8"))})
+    except (OSError, ValueError, TypeError, KeyError): return []  # no corpus (yet), or not the kit's: the data commands judge it
+    named = [(f"data.mixture.{d}" if isinstance(data.mixture, dict) else "data.mixture", d) for p in data.phases for d in p.weights]
+    named += [(f"data.filter_overrides.{d}", d) for d in data.filter_overrides]
+    problems = []
+    for key, domain in named:
+        if domain in domains: continue
+        close = difflib.get_close_matches(domain, domains, n=1)
+        problems.append(Problem(key, f"domain '{domain}' is not in the corpus ({manifest} has {', '.join(domains)})",
+                                f"did you mean '{close[0]}'?" if close else f"use one of {', '.join(domains)}"))
+    return problems
+
+
 # %% ../nbs/02_config.ipynb #e0fce40d
 def load_params(path: str | os.PathLike, overrides: list[str] | None = None) -> Params:
     "Load, override (`['train.lr=3.0e-4']`) and validate a params YAML file."
     path, source = Path(path), str(path)
-    try: text = path.read_text(encoding="utf-8")
-    except FileNotFoundError: raise ConfigError([Problem("(file)", "does not exist", "check the path (presets are in params/)")], source) from None
-    except (UnicodeDecodeError, IsADirectoryError) as e:
-        raise ConfigError([Problem("(file)", f"cannot be read as UTF-8 text ({e.__class__.__name__})", "pass a YAML params file")], source) from None
+    text = _read_text(path, source)
     problems: list[Problem] = []
     try:
         node = yaml.compose(text, Loader=YamlLoader)
         raw = yaml.load(text, Loader=YamlLoader)
     except yaml.YAMLError as e:
-        mark = getattr(e, "problem_mark", None)
-        where = f"{source}:{mark.line + 1}" if mark else source
-        raise ConfigError([Problem("(yaml)", f"is not valid YAML: {getattr(e, 'problem', e)}", "fix the syntax on that line")],
-                          source, {"(yaml)": where}) from None
+        problem, line = _yaml_problem(e, text)
+        raise ConfigError([problem], source, {"(yaml)": f"{source}:{line}" if line else source}) from None
     origins = _key_lines(node, source, problems=problems) if node is not None else {}
     raw = {} if raw is None else raw
     if isinstance(raw, dict):
         for override in overrides or []: _apply_override(raw, override, origins, problems)
-    return params_from_dict(raw, source, origins, problems)
+    params = params_from_dict(raw, source, origins, problems)
+    if problems := _corpus_problems(params.data): raise ConfigError(problems, source, origins)
+    return params
 
 def dump_params(params: Params) -> str:
     "YAML text that `load_params` reads back to an equal `Params`."
@@ -541,3 +631,4 @@ def dump_params(params: Params) -> str:
 def save_params(params: Params, path: str | os.PathLike) -> Path:
     "Write `params` as YAML, atomically."
     return atomic_write(path, dump_params(params))
+

@@ -21,9 +21,9 @@ from .parallelism import write_launch_configs
 from .studies import run_study, study_parameters
 
 # %% auto #0
-__all__ = ['LAUNCHERS', 'SIGNAL_LEAD', 'TASK_OUTPUTS', 'LaunchError', 'layout_errors', 'slurm_errors', 'signal_lead',
-           'render_sbatch', 'git_commit', 'submit', 'launch_slurm', 'parse_grid', 'read_sweep', 'sweep_tasks',
-           'render_array', 'render_summary', 'launch_sweep', 'run_task', 'summarize']
+__all__ = ['LAUNCHERS', 'SIGNAL_LEAD', 'TASK_OUTPUTS', 'LaunchError', 'layout_errors', 'slurm_partitions', 'partition_errors',
+           'slurm_errors', 'signal_lead', 'render_sbatch', 'git_commit', 'submit', 'launch_slurm', 'parse_grid',
+           'read_sweep', 'sweep_tasks', 'render_array', 'render_summary', 'launch_sweep', 'run_task', 'summarize']
 
 # %% ../nbs/11_launch.ipynb #e20b6eb0
 class LaunchError(RuntimeError):
@@ -36,21 +36,31 @@ def layout_errors(params: Params, source: str = "params") -> list[str]:
     return [f"{source}: {r}" for r in layout_refusals(params.model, layout, params.train.global_batch, n.world_size,
                                                        trainer=True)]
 
+def slurm_partitions(timeout: float = 30) -> list[str] | str:
+    "The cluster's partitions as `sinfo` names them ('*' marks the default), or why Slurm could not be asked."
+    if not shutil.which("sinfo"): return "sinfo is not on PATH"
+    try: out = subprocess.run(["sinfo", "-h", "-o", "%P"], capture_output=True, text=True, timeout=timeout)
+    except (OSError, subprocess.TimeoutExpired) as e: return f"sinfo failed: {e}"
+    if out.returncode: return f"sinfo: {(out.stderr.strip().splitlines() or [f'exit status {out.returncode}'])[-1]}"
+    return out.stdout.split()
+
+def partition_errors(partition: str, partitions: list[str]) -> list[str]:
+    "Why `partition` cannot take a job on a cluster with `partitions` (empty when it can)."
+    names, default = [p.rstrip("*") for p in partitions], [p.rstrip("*") for p in partitions if p.endswith("*")]
+    if partition and partition not in names:
+        return [f"launch.partition {partition!r} does not exist; this cluster has {', '.join(names) or 'none'} "
+                "(set launch.partition to one of them)"]
+    if not partition and not default:
+        return [f"launch.partition is empty and the cluster has no default partition; pick one of {', '.join(names)}"]
+    return []
+
 def slurm_errors(partition: str) -> list[str]:
     "Why this machine cannot submit to Slurm (empty when it can)."
     if not shutil.which("sbatch"):
         return ["sbatch is not on PATH: submit from a Slurm login node, or use --dry-run to only print the script"]
-    try: out = subprocess.run(["sinfo", "-h", "-o", "%P"], capture_output=True, text=True, timeout=30)
-    except (OSError, subprocess.TimeoutExpired) as e: return [f"sinfo failed ({e}): is the Slurm controller reachable?"]
-    if out.returncode:
-        return [f"Slurm does not answer (sinfo: {out.stderr.strip() or out.returncode}); is the controller up?"]
-    partitions = [p.strip() for p in out.stdout.split()]
-    names, default = [p.rstrip("*") for p in partitions], [p.rstrip("*") for p in partitions if p.endswith("*")]
-    if partition and partition not in names:
-        return [f"launch.partition {partition!r} does not exist; this cluster has {', '.join(names) or 'none'}"]
-    if not partition and not default:
-        return [f"launch.partition is empty and the cluster has no default partition; pick one of {', '.join(names)}"]
-    return []
+    partitions = slurm_partitions()
+    if isinstance(partitions, str): return [f"Slurm does not answer ({partitions}); is the controller up and reachable?"]
+    return partition_errors(partition, partitions)
 
 # %% ../nbs/11_launch.ipynb #49048c80
 LAUNCHERS = ("accelerate", "torchrun", "srun")
@@ -65,11 +75,22 @@ def signal_lead(time_limit: str) -> int:
     return max(60, min(SIGNAL_LEAD, (seconds + int(days or 0) * 86400) // 4))  # Slurm signals at minute resolution
 
 # %% ../nbs/11_launch.ipynb #1cd4862d
+def _in_double_quotes(word: str) -> str:
+    "`word` as it must be written inside a double-quoted shell string to arrive unchanged."
+    return "".join("\\" + c if c in '\\"$`' else c for c in word)
+
+def _sbatch_option(option: str) -> str:
+    "An option as an #SBATCH line writes it: sbatch reads double quotes and backslashes as a shell does (not '$')."
+    if "\n" in option or "\r" in option:
+        raise LaunchError(f"#SBATCH {option!r}: a line break would end the directive; use a path or name on one line")
+    return option if shlex.quote(option) == option else '"' + option.replace("\\", "\\\\").replace('"', '\\"') + '"'
+
 def _task_command(params: Params, launcher: str, run_dir: Path) -> str:
-    "What one Slurm task runs (`\\$` waits for the task's own shell); launchers ignore USR1, the ranks handle it."
-    n = params.launch
-    train = f"marin-study train {shlex.quote(f'{run_dir}/launch/params.yaml')} --run-dir {shlex.quote(str(run_dir))}"
-    logs = shlex.quote(f"{run_dir}/logs") + "/$SLURM_JOB_ID-r$RESTARTS"
+    """What one Slurm task runs, for `bash -c "..."`: `\\$` waits for the task's own shell, the paths are quoted for
+    both shells; launchers ignore USR1, the ranks handle it."""
+    n, path = params.launch, lambda p: _in_double_quotes(shlex.quote(str(p)))
+    train = f"marin-study train {path(run_dir / 'launch/params.yaml')} --run-dir {path(run_dir)}"
+    logs = path(run_dir / "logs") + "/$SLURM_JOB_ID-r$RESTARTS"
     if launcher == "srun":
         return (f"RANK=\\$SLURM_PROCID WORLD_SIZE=\\$SLURM_NTASKS LOCAL_RANK=\\$SLURM_LOCALID "
                 f"LOCAL_WORLD_SIZE={n.procs_per_node} exec {train}")
@@ -77,16 +98,17 @@ def _task_command(params: Params, launcher: str, run_dir: Path) -> str:
         return (f"trap '' USR1; exec torchrun --nnodes {n.nodes} --node_rank \\$SLURM_NODEID --nproc_per_node "
                 f"{n.procs_per_node} --master_addr $MASTER_ADDR --master_port $MASTER_PORT --log-dir {logs} "
                 f"--redirects 3 --tee 3 --no-python {train}")
-    return (f"trap '' USR1; exec accelerate launch --config_file {shlex.quote(f'{run_dir}/launch/accelerate.yaml')} "
+    return (f"trap '' USR1; exec accelerate launch --config_file {path(run_dir / 'launch/accelerate.yaml')} "
             f"--machine_rank \\$SLURM_NODEID --main_process_ip $MASTER_ADDR --main_process_port $MASTER_PORT "
             f"--log_dir {logs} --tee 3 --no_python {train}")
 
 def _preamble(params: Params, comment: str, sbatch: list[str], project: str | Path) -> list[str]:
-    "A script's first lines: what it is, its #SBATCH options (then the launch section's), modules, environment, cwd."
+    """A script's first lines: what it is, its #SBATCH options (then the launch section's), modules, environment, cwd.
+    The params refuse launch values that a shell or an #SBATCH line would read specially (chapter 02); paths are quoted."""
     n = params.launch
-    lines = ["#!/bin/bash", f"# {comment}"] + [f"#SBATCH {option}" for option in sbatch]
-    lines += [f"#SBATCH --{key}={value}" for key, value in (("time", n.time), ("partition", n.partition),
-                                                             ("account", n.account), ("qos", n.qos)) if value]
+    sbatch = sbatch + [f"--{key}={value}" for key, value in (("time", n.time), ("partition", n.partition),
+                                                              ("account", n.account), ("qos", n.qos)) if value]
+    lines = ["#!/bin/bash", f"# {' '.join(comment.split())}"] + [f"#SBATCH {_sbatch_option(o)}" for o in sbatch]
     lines += ["", "set -uo pipefail"] + [f"module load {shlex.quote(m)}" for m in n.modules]
     if sys.prefix != sys.base_prefix: lines.append(f"source {shlex.quote(sys.prefix)}/bin/activate")  # this kit's env
     lines += [f"export {k}={shlex.quote(v)}" for k, v in n.env.items()]
@@ -116,8 +138,9 @@ def render_sbatch(params: Params, run_dir: str | Path, launcher: str = "accelera
               'on_signal() { stopping=1; echo "[$(date -Is)] $1: asking every rank to checkpoint and stop"; '
               'scancel --signal=USR1 "$SLURM_JOB_ID"; }',
               "trap 'on_signal USR1' USR1",
-              f"srun --kill-on-bad-exit=1 --open-mode=append --output={run_dir}/slurm/%x-%j-"
-              + ("rank%t" if launcher == "srun" else "node%n") + ".out \\",
+              "srun --kill-on-bad-exit=1 --open-mode=append "
+              + shlex.quote(f"--output={run_dir}/slurm/%x-%j-" + ("rank%t" if launcher == "srun" else "node%n") + ".out")
+              + " \\",
               f'  bash -c "{_task_command(params, launcher, run_dir)}" &',
               "step=$!",
               "while :; do wait $step; rc=$?; kill -0 $step 2>/dev/null || break; done  # a trap interrupts wait",
@@ -144,6 +167,14 @@ def submit(script: Path, *extra: str) -> str:
     if out.returncode: raise LaunchError(f"sbatch refused {script}: {out.stderr.strip()}")
     return out.stdout.strip().split(";")[0]
 
+def _check_partition(partition: str, source: str) -> None:
+    "A dry run's partition check: refused when Slurm answers and lacks it, a note when no Slurm answers here."
+    partitions = slurm_partitions(timeout=10)
+    if isinstance(partitions, str):
+        print(f"marin-study: note: launch.partition {partition or '(empty: the default)'!r} was not checked, no Slurm "
+              f"answers here ({partitions})", file=sys.stderr)
+    elif errors := partition_errors(partition, partitions): raise LaunchError(f"{source}: {errors[0]}")
+
 def launch_slurm(params_path: str | Path, overrides: list[str] | None = None, run_dir: str | Path | None = None,
                  launcher: str = "accelerate", dry_run: bool = False, project: str | Path = ".") -> tuple[str, str | None]:
     "Render (and unless `dry_run`, submit) a training job; returns the script and the job id."
@@ -155,6 +186,7 @@ def launch_slurm(params_path: str | Path, overrides: list[str] | None = None, ru
     errors = layout_errors(params, str(params_path))
     if dry_run:
         for e in errors: print(f"marin-study: warning: {e}", file=sys.stderr)
+        _check_partition(params.launch.partition, str(params_path))
         return script, None
     errors += slurm_errors(params.launch.partition)
     if errors: raise LaunchError("nothing submitted:\n  " + "\n  ".join(errors))
@@ -220,13 +252,13 @@ def render_array(out: Path, tasks: list[dict], params: Params, job_name: str, pr
     options = [f"--job-name={job_name}", f"--array=0-{len(tasks) - 1}", "--nodes=1", "--ntasks=1",
                f"--output={out}/task-%a/slurm-%A_%a.out"]
     lines = _preamble(params, f"marin-study sweep: {len(tasks)} tasks", options, project)
-    return "\n".join(lines + [f'exec marin-study launch task {out} "$SLURM_ARRAY_TASK_ID"']) + "\n"
+    return "\n".join(lines + [f'exec marin-study launch task {shlex.quote(str(out))} "$SLURM_ARRAY_TASK_ID"']) + "\n"
 
 def render_summary(out: Path, params: Params, job_name: str, project: str | Path = ".") -> str:
     "The job that runs once the array has ended and collects its results."
     lines = _preamble(params, "marin-study sweep summary", [f"--job-name={job_name}-summary", "--nodes=1", "--ntasks=1",
                                                             f"--output={out}/summary-%j.out"], project)
-    return "\n".join(lines + [f"exec marin-study launch summarize {out}"]) + "\n"
+    return "\n".join(lines + [f"exec marin-study launch summarize {shlex.quote(str(out))}"]) + "\n"
 
 def launch_sweep(params_path: str | Path, notebook: str | Path, grid: dict[str, list], out: str | Path,
                  dry_run: bool = False) -> tuple[str, list[str]]:

@@ -365,6 +365,8 @@ def plan(params: Params, gpu: str | Device, gpus: int, mfu: float | None = None,
     m, t = params.model, params.train
     if gpus < 1: raise PlanError(f"--gpus must be at least 1, got {gpus}")
     if mfu is not None and not 0 < mfu <= 1: raise PlanError(f"mfu must be in (0, 1], got {mfu} (22.9% is 0.229)")
+    if tokens is not None and not 0 < tokens < math.inf:
+        raise PlanError(f"--tokens must be a positive token budget, got {tokens:g} (e.g. 18e12)")
     out = []
     for tp in _divisors(math.gcd(m.n_heads, m.n_kv_heads), min(dev.nvlink_domain, 8)):
         for pp in _divisors(m.n_layers, max_pp):

@@ -371,3 +371,40 @@ def test_router_health_frame_and_plot():
     heat = fig.axes[0].collections[0].get_array()
     assert heat.shape == (3, 50) and heat[2, -1] > 5 and heat[0, -1] < 2
     with pytest.raises(AnalysisError, match="no per-layer router keys"): plot_router_load(healthy(0))
+
+
+def test_text_where_a_number_belongs_names_the_file_line_and_column(tmp_path):
+    (tmp_path / "text.csv").write_text("step,loss\n1,abc\n2,def\n")
+    with pytest.raises(AnalysisError, match=r"text.csv:2: 'loss' is 'abc', not a number"): load_curves(tmp_path / "text.csv")
+    (tmp_path / "one.csv").write_text("step,loss\n1,3.0\n\n2,oops\n3,2.5\n")  # a blank line still counts as a line
+    with pytest.raises(AnalysisError, match=r"one.csv:4: 'loss' is 'oops'"): load_curves(tmp_path / "one.csv")
+    (tmp_path / "renamed.csv").write_text("_step,train/loss\n1,3.0\n2,x\n")
+    with pytest.raises(AnalysisError, match=r"renamed.csv:3: 'train/loss' is 'x'"): load_curves(tmp_path / "renamed.csv")
+    (tmp_path / "text.jsonl").write_text('{"step": 1, "loss": 3.0}\n\n{"step": 2, "loss": "high"}\n')
+    with pytest.raises(AnalysisError, match=r"text.jsonl:3: 'loss' is 'high'"): load_curves(tmp_path / "text.jsonl")
+    (tmp_path / "step.csv").write_text("step,loss\n1,3.0\ntwo,2.0\n")
+    with pytest.raises(AnalysisError, match=r"step.csv:3: 'step' is 'two'"): load_curves(tmp_path / "step.csv")
+    (tmp_path / "nan.csv").write_text("step,loss\n1,3.0\n2,NaN\n3,inf\n4,\n5,2.0\n")  # spelled-out non-finite numbers are numbers
+    assert load_curves(tmp_path / "nan.csv")["loss"].isna().sum() == 2
+
+
+def test_unreadable_files_and_non_object_lines_are_clear_errors(tmp_path):
+    (tmp_path / "bin.csv").write_bytes(b"step,loss\n\xff,1\n")
+    with pytest.raises(AnalysisError, match=r"bin.csv: not UTF-8 text"): load_curves(tmp_path / "bin.csv")
+    (tmp_path / "bin.jsonl").write_bytes(b'{"step": 1, "loss": 3}\n\xff\xfe\n')
+    with pytest.raises(AnalysisError, match=r"bin.jsonl(:2)?: .*UTF-8"): load_curves(tmp_path / "bin.jsonl")
+    (tmp_path / "list.jsonl").write_text('{"step": 1, "loss": 3}\n[2, 2.5]\n')
+    with pytest.raises(AnalysisError, match=r"list.jsonl:2: not a JSON object"): load_curves(tmp_path / "list.jsonl")
+    (tmp_path / "ragged.csv").write_text("step,loss\n1,3.0\n2,2.5,9,9\n")
+    with pytest.raises(AnalysisError, match=r"ragged.csv: not a CSV table"): load_curves(tmp_path / "ragged.csv")
+    with pytest.raises(AnalysisError, match="no such file"): load_curves(tmp_path / "nope.csv")
+
+
+def test_a_loss_column_of_nans_names_the_file_and_the_fix(tmp_path):
+    (tmp_path / "nans.csv").write_text("step,loss\n1,nan\n2,\n")
+    with pytest.raises(AnalysisError) as info: diagnose(load_curves(tmp_path / "nans.csv"))
+    assert str(info.value).startswith(f"{tmp_path / 'nans.csv'}: every 'loss' is empty or NaN (2 rows)")
+    assert "mapping={'loss'" in str(info.value) and "\n" not in str(info.value)
+    (tmp_path / "cols.csv").write_text("step,lr\n1,0.1\n")
+    with pytest.raises(AnalysisError) as info: load_curves(tmp_path / "cols.csv")
+    assert "--map" not in str(info.value) and "rename" in str(info.value)  # no command has a --map option

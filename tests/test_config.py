@@ -1,4 +1,5 @@
 import dataclasses
+import json
 import os
 import stat
 
@@ -74,7 +75,7 @@ def test_unknown_section_and_override_key_suggest():
     text = str(err)
     assert "override 'trian.lr=1e-3': trian.lr: unknown section (fix: did you mean 'train'?)" in text
     assert "override 'train.lrr=1': train.lrr: unknown key (fix: did you mean 'train.lr'?)" in text
-    assert "train.lr: an override must look like key=value" in text
+    assert "override 'train.lr': train.lr: has no '='" in text
     assert len(err.problems) == 3
 
 
@@ -99,7 +100,7 @@ def test_unknown_section_and_override_key_suggest():
     ("train.profile={start: 299, steps: 5}", "train.profile", "past the run's 300 steps"),
     ("train.profile.flops=true", "train.profile", "but steps is 0 (profiling off)"),
     ("train.profile.stat=3", "train.profile.stat", "did you mean 'train.profile.start'"),
-    ("train.target={eval/bpb: low}", "train.target", "expected a number, got 'low'"),
+    ("train.target={eval/bpb: low}", "train.target.eval/bpb", "expected a number, got 'low'"),
     ("train.trackers=[neptune]", "train.trackers", "one of 'tensorboard', 'wandb', 'mlflow'"),
     ("train.trackers=[wandb, wandb]", "train.trackers", "names a tracker twice"),
 ])
@@ -204,3 +205,99 @@ def test_bad_override_values_are_clear_errors():
 def test_micro_batches_must_divide_each_ranks_share():
     err = error_of(load_params, ROOT / "params/tiny.yaml", ["launch.procs_per_node=4"])
     assert "16 sequences cannot be split into micro-batches of 8 on 4 data-parallel ranks" in str(err)
+
+
+def test_one_problem_is_one_line_naming_the_file_line_and_key(tmp_path):
+    path = write(tmp_path, (ROOT / "params/tiny.yaml").read_text().replace("  steps: 300", "  steps: many"))
+    line = next(i for i, l in enumerate(path.read_text().splitlines(), 1) if "steps: many" in l)
+    assert str(error_of(load_params, path)) == (f"{path}:{line}: train.steps: expected an integer, got 'many' "
+                                                "(fix: write steps as an integer)")
+    two = str(error_of(load_params, path, ["train.lr=0"]))
+    assert two.splitlines()[0] == f"{path}: 2 problems in the params" and len(two.splitlines()) == 3
+
+
+def test_a_tab_in_the_indentation_is_named_with_its_line(tmp_path):
+    path = write(tmp_path, (ROOT / "params/tiny.yaml").read_text().replace("  hidden_size: 128", "\thidden_size: 128"))
+    line = next(i for i, l in enumerate(path.read_text().splitlines(), 1) if "hidden_size" in l)
+    text = str(error_of(load_params, path))
+    assert text.startswith(f"{path}:{line}: ") and "tab" in text and "YAML forbids tabs" in text and "spaces" in text
+    assert "\n" not in text
+    syntax = str(error_of(load_params, write(tmp_path, "model:\n  a: [1, 2\n")))
+    assert "\n" not in syntax and "column" in syntax and "fix:" in syntax
+
+
+def test_a_folder_or_a_missing_file_is_named_as_such(tmp_path):
+    (tmp_path / "tiny.yaml").write_text("")
+    folder = str(error_of(load_params, tmp_path))
+    assert "is a folder" in folder and f"{tmp_path / 'tiny.yaml'}" in folder and "\n" not in folder
+    assert "does not exist" in str(error_of(load_params, tmp_path / "nope.yaml"))
+
+
+@pytest.mark.parametrize("name", ["with space/my params.yaml", "ünïcödé/pärams.yaml"])
+def test_paths_with_spaces_and_non_ascii_load_and_are_named_in_errors(tmp_path, name):
+    path = tmp_path / name
+    path.parent.mkdir()
+    path.write_text((ROOT / "params/tiny.yaml").read_text())
+    assert load_params(path) == load_params(ROOT / "params/tiny.yaml")
+    path.write_text(path.read_text().replace("  lr: 3.0e-3", "  lr: -1"))
+    assert str(error_of(load_params, path)).startswith(f"{path}:")
+
+
+def test_an_override_without_equals_names_the_override_not_the_files_line():
+    text = str(error_of(load_params, ROOT / "params/tiny.yaml", ["train.lr"]))
+    assert text.startswith("params/tiny.yaml: override 'train.lr': ") or text.startswith(f"{ROOT}/params/tiny.yaml: override 'train.lr': ")
+    assert "no '='" in text and "train.lr=VALUE" in text
+
+
+def test_a_bad_value_inside_a_mapping_names_its_own_key():
+    err = error_of(load_params, ROOT / "params/tiny.yaml", ["data.mixture.web=abc"])
+    assert [p.key for p in err.problems] == ["data.mixture.web"]
+    assert "override 'data.mixture.web=abc': data.mixture.web: expected a number, got 'abc'" in str(err)
+    nested = error_of(load_params, ROOT / "params/tiny.yaml", ["data.filter_overrides.code.max_symbol_ratio=x"])
+    assert [p.key for p in nested.problems] == ["data.filter_overrides.code.max_symbol_ratio"]
+    assert "numberss" not in str(nested)
+
+
+def corpus(tmp_path, domains=("web", "books", "code", "docs", "math")):
+    "Overrides pointing data.dir at a collected corpus of these domains (tiny's filter overrides name code, docs, math)."
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data/SOURCES.json").write_text(json.dumps([{"name": d + "-src", "domain": d} for d in domains]))
+    return [f"data.dir={tmp_path / 'data'}", "data.mixture={web: 1, books: 1, code: 1}"]
+
+
+def test_a_mixture_domain_the_corpus_lacks_is_refused_with_a_suggestion(tmp_path):
+    sets = corpus(tmp_path)
+    assert load_params(ROOT / "params/tiny.yaml", sets).data.mixture == {"web": 1.0, "books": 1.0, "code": 1.0}
+    err = error_of(load_params, ROOT / "params/tiny.yaml", sets + ["data.mixture.webz=0.5"])
+    assert [p.key for p in err.problems] == ["data.mixture.webz"]
+    assert "not in the corpus" in str(err) and "did you mean 'web'?" in str(err) and "SOURCES.json" in str(err)
+    phases = error_of(load_params, ROOT / "params/tiny.yaml", sets + ["data.mixture=[{start_step: 0, weights: {cod: 1}}]"])
+    assert "cod" in str(phases) and "did you mean 'code'?" in str(phases)
+    no_corpus = [f"data.dir={tmp_path / 'none'}", "data.mixture={anything: 1}"]  # nothing collected yet: not judged
+    assert load_params(ROOT / "params/tiny.yaml", no_corpus).data.mixture == {"anything": 1.0}
+
+
+@pytest.mark.parametrize("override, key", [
+    ("launch.partition=gpu; rm -rf ~", "launch.partition"),
+    ('launch.partition="gpu\\n#SBATCH --qos=top"', "launch.partition"),
+    ("launch.account=my account", "launch.account"),
+    ("launch.qos=$(whoami)", "launch.qos"),
+    ("launch.device=`id`", "launch.device"),
+    ("launch.modules=[cuda/12, 'nccl && curl x']", "launch.modules"),
+    ("launch.env={BAD-NAME: x}", "launch.env"),
+    ("launch.env={1X: x}", "launch.env"),
+    ('launch.env={X: "a\\nb"}', "launch.env.X"),
+    ('launch.env={X: "a\\0b"}', "launch.env.X"),
+    ('launch.time="01:00:00\\n"', "launch.time"),
+])
+def test_names_written_into_a_shell_script_are_refused_at_validation(override, key):
+    err = error_of(load_params, ROOT / "params/tiny.yaml", [override])
+    assert [p.key for p in err.problems] == [key], str(err)
+    assert "\n" not in str(err) and "fix:" in str(err)
+
+
+def test_safe_launch_names_and_any_printable_env_value_load():
+    p = load_params(ROOT / "params/tiny.yaml", ["launch.partition=gpu,gpu-large", "launch.account=proj_01@site",
+                                                "launch.qos=high+1", "launch.modules=[cuda/12.4, nccl=2.21%x:y]",
+                                                "launch.env={NCCL_DEBUG: INFO, _X1: 'a b $HOME \"q\" ; | & é'}"])
+    assert p.launch.partition == "gpu,gpu-large" and p.launch.env["_X1"] == 'a b $HOME "q" ; | & é'

@@ -1,6 +1,7 @@
 "Launching on a real Slurm (one node on localhost): training jobs, preemption and requeue, papermill arrays, bad input."
 import json
 import re
+import shlex
 import subprocess
 import time
 from pathlib import Path
@@ -9,11 +10,10 @@ import nbformat
 import pandas as pd
 import pytest
 
-from conftest import BIN, ROOT, command, quick_params, run
+from conftest import BIN, ROOT, quick_params, run
 from marin_study.config import save_params
 from marin_study.trainer.metrics import MetricsLog
 from marin_study.utils import sha256_file
-from test_trainer import losses
 
 STEPS = 16
 FINAL = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL", "DEADLINE")
@@ -88,50 +88,20 @@ def test_bad_input_is_refused_before_anything_is_submitted(slurm, launch_params,
 
 
 def test_a_two_task_srun_job_trains_the_tiny_model_over_gloo(slurm, launch_params, tmp_path):
-    out = marin("launch", "slurm", launch_params, "--launcher", "srun", "--run-dir", tmp_path / "run").stdout
+    folder = tmp_path / "a folder é"  # sbatch, srun and both shells see the space and the non-ASCII name as they are
+    out = marin("launch", "slurm", launch_params, "--launcher", "srun", "--run-dir", folder / "run").stdout
     job = re.search(r"submitted job (\d+)", out).group(1)
-    log = tmp_path / f"run/slurm/{launch_params.stem}-{job}.out"
+    log = folder / f"run/slurm/{launch_params.stem}-{job}.out"
     assert wait_for(job) == "COMPLETED", log.read_text()
-    assert [r["step"] for r in MetricsLog(tmp_path / "run/metrics.jsonl").read()] == list(range(1, STEPS + 1))
+    assert [r["step"] for r in MetricsLog(folder / "run/metrics.jsonl").read()] == list(range(1, STEPS + 1))
     assert "training finished" in log.read_text()
-    ranks = sorted(p.name for p in (tmp_path / "run/slurm").glob(f"*-{job}-rank*.out"))
+    ranks = sorted(p.name for p in (folder / "run/slurm").glob(f"*-{job}-rank*.out"))
     assert ranks == [f"{launch_params.stem}-{job}-rank0.out", f"{launch_params.stem}-{job}-rank1.out"]
-    assert f"step {STEPS}: loss" in (tmp_path / "run/slurm" / ranks[0]).read_text()
-    record = json.loads((tmp_path / "run/launch/launch.json").read_text())
+    assert f"step {STEPS}: loss" in (folder / "run/slurm" / ranks[0]).read_text()
+    record = json.loads((folder / "run/launch/launch.json").read_text())
     assert record["jobs"][0]["job_id"] == job and re.fullmatch(r"[0-9a-f]{40}(\+dirty)?|unknown", record["jobs"][0]["commit"])
-    assert {p.name for p in (tmp_path / "run/launch").iterdir()} >= {"sbatch.sh", "params.yaml", "deepspeed.json",
+    assert {p.name for p in (folder / "run/launch").iterdir()} >= {"sbatch.sh", "params.yaml", "deepspeed.json",
                                                                      "accelerate.yaml", "launch.json"}
-
-
-def test_usr1_checkpoints_requeues_resumes_and_a_capped_chain_continues_on_resubmission(slurm, launch_params, tmp_path):
-    run(command("torchrun", launch_params, tmp_path / "reference"))
-    submit = ["launch", "slurm", launch_params, "--run-dir", tmp_path / "run", "--set", "launch.max_requeues=1"]
-    job = re.search(r"submitted job (\d+)", marin(*submit).stdout).group(1)  # accelerate launch, the planner's configs
-    metrics, log = tmp_path / "run/metrics.jsonl", tmp_path / f"run/slurm/{launch_params.stem}-{job}.out"
-    def signal_after(lines: int) -> None:
-        "Once `lines` steps are logged (mid-run), do what --signal=B:USR1@N does before a time limit."
-        end = time.time() + 300
-        while not (metrics.exists() and len(metrics.read_text().splitlines()) >= lines):
-            assert time.time() < end and not set(job_states(job)) & set(FINAL), log.read_text()
-            time.sleep(0.2)
-        run(["scancel", "--signal=USR1", "--batch", job])
-    signal_after(3)
-    end = time.time() + 300
-    while "restart 1 (at most 1)" not in log.read_text():  # checkpointed, requeued, started again
-        assert time.time() < end, log.read_text()
-        time.sleep(0.5)
-    signal_after(len(metrics.read_text().splitlines()) + 3)
-    assert wait_for(job) == "FAILED"  # the cap: checkpointed but not requeued a second time
-    text = log.read_text()
-    assert "requeueing (restart 1 of at most 1)" in text and "not requeued after 1 requeues" in text
-    steps_done = len(MetricsLog(metrics).read())
-    assert 3 < steps_done < STEPS
-    job = re.search(r"submitted job (\d+)", marin(*submit).stdout).group(1)  # the same command continues the run
-    assert wait_for(job) == "COMPLETED", log.read_text()
-    assert [r["step"] for r in MetricsLog(metrics).read()] == list(range(1, STEPS + 1))
-    assert losses(tmp_path / "run") == pytest.approx(losses(tmp_path / "reference"), rel=1e-6)
-    assert len(json.loads((tmp_path / "run/launch/launch.json").read_text())["jobs"]) == 2
-    assert len(list((tmp_path / "run/logs").iterdir())) == 3  # per-rank logs of each job and restart
 
 
 def test_a_three_task_papermill_array_and_its_summary(slurm, tmp_path):
@@ -161,3 +131,88 @@ def test_the_launch_study_shows_plan_script_days_and_cost_and_submits_nothing(pr
     html = (project_copy / "reports/cluster_launch.html").read_text()
     assert not remote_references(html) and "#SBATCH --nodes=176" in html and "not submitted" in html
     assert not (project_copy / "runs/slurm").exists()
+
+
+@pytest.mark.parametrize("key,value", [("launch.partition", "gpu\nrm -rf ~"), ("launch.account", "lab;touch pwned"),
+                                       ("launch.qos", "$(reboot)"), ("launch.partition", "-w node1")])
+def test_a_launch_value_that_a_shell_or_sbatch_would_read_is_refused_naming_it(key, value, tmp_path):
+    result = marin("launch", "slurm", "params/tiny.yaml", "--dry-run", "--run-dir", tmp_path / "run",
+                   "--set", f"{key}={json.dumps(value)}", check=False)
+    assert result.returncode == 2 and result.stdout == "" and "Traceback" not in result.stderr, result.stderr
+    assert f"{key}: {value!r} has a space, a line break or a shell character" in result.stderr
+    assert not (tmp_path / "run").exists() and not (ROOT / "pwned").exists()
+
+
+def test_env_names_must_be_shell_names_and_env_values_reach_the_job_as_written(tmp_path):
+    refused = marin("launch", "slurm", "params/tiny.yaml", "--dry-run", "--set",
+                    'launch.env={"A;touch pwned": "1"}', check=False)
+    assert refused.returncode == 2 and refused.stdout == "" and "Traceback" not in refused.stderr
+    assert "launch.env: 'A;touch pwned' is not a shell variable name" in refused.stderr
+    value = "a b; $(touch pwned) `touch pwned` 'quoted' \"double\" \\ é"
+    env = json.dumps({"NOTE": value})
+    script = marin("launch", "slurm", "params/tiny.yaml", "--dry-run", "--set", f"launch.env={env}").stdout
+    preamble = script.split("\nMAX_REQUEUES=")[0]  # the #SBATCH lines, the environment and the cd
+    shown = run(["bash", "-c", preamble + '\nprintf %s "$NOTE"'], cwd=tmp_path).stdout
+    assert shown == value and not (tmp_path / "pwned").exists() and not (ROOT / "pwned").exists()
+
+
+def fake_slurm(folder: Path) -> Path:
+    "Stand-ins for what a job script calls: srun runs its command (fakes first on PATH), the rest record their arguments."
+    folder.mkdir()
+    (folder / "srun").write_text('#!/bin/bash\nfor a; do case $a in --output=*) printf "%s\\n" "${a#--output=}" '
+                                 '> "$FAKE_LOG/srun-output";; --*) ;; *) break;; esac; shift; done\n'
+                                 'PATH="$FAKE_BIN:$PATH" exec "$@"\n')
+    (folder / "scontrol").write_text("#!/bin/bash\necho localhost\n")
+    for name in ("marin-study", "accelerate", "torchrun", "scancel"):
+        (folder / name).write_text('#!/bin/bash\nprintf "%s\\n" "$@" > "$FAKE_LOG/$(basename "$0")"\n')
+    for f in folder.iterdir(): f.chmod(0o755)
+    return folder
+
+
+def sbatch_options(script: str) -> list[str]:
+    "The #SBATCH options as sbatch reads them: words, with quotes and backslashes as a shell's."
+    return [word for line in script.splitlines() if line.startswith("#SBATCH ") for word in shlex.split(line[8:], comments=True)]
+
+
+@pytest.mark.parametrize("launcher", ["accelerate", "torchrun", "srun"])
+def test_a_script_for_a_folder_with_a_space_and_non_ascii_runs_each_command_on_that_folder(launcher, tmp_path):
+    from marin_study.launch import render_sbatch
+    from marin_study.config import load_params
+    run_dir = tmp_path / "runs with space/é 'quoted' \"double\" $HOME `x`"
+    script = render_sbatch(load_params(ROOT / "params/tiny.yaml"), run_dir, launcher, job_name="tiny é", project=ROOT)
+    (tmp_path / "job.sh").write_text(script)
+    run(["bash", "-n", tmp_path / "job.sh"])
+    assert f"--output={run_dir}/slurm/%x-%j.out" in sbatch_options(script) and "--job-name=tiny é" in sbatch_options(script)
+    bin_, log = fake_slurm(tmp_path / "bin"), tmp_path / "log"
+    log.mkdir()
+    env = {"FAKE_BIN": str(bin_), "FAKE_LOG": str(log), "PATH": f"{bin_}:/usr/bin:/bin", "SLURM_JOB_ID": "7",
+           "SLURM_JOB_NODELIST": "localhost", "SLURM_NODEID": "0", "SLURM_PROCID": "1", "SLURM_NTASKS": "2", "SLURM_LOCALID": "1"}
+    out = run(["bash", tmp_path / "job.sh"], env=env).stdout
+    assert "training finished" in out
+    expected_output = f"{run_dir}/slurm/%x-%j-" + ("rank%t" if launcher == "srun" else "node%n") + ".out"
+    assert (log / "srun-output").read_text() == expected_output + "\n"
+    train = ["train", f"{run_dir}/launch/params.yaml", "--run-dir", str(run_dir)]
+    args = (log / ("marin-study" if launcher == "srun" else launcher)).read_text().splitlines()
+    assert args[-4:] == train
+    if launcher == "accelerate":
+        assert args[args.index("--config_file") + 1] == f"{run_dir}/launch/accelerate.yaml"
+    if launcher != "srun":
+        assert args[args.index("--log_dir" if launcher == "accelerate" else "--log-dir") + 1] == f"{run_dir}/logs/7-r0"
+
+
+def test_sweep_scripts_run_the_task_and_summary_of_a_folder_with_a_space_and_non_ascii(tmp_path):
+    from marin_study.launch import render_array, render_summary
+    from marin_study.config import load_params
+    out, params = tmp_path / "sweeps with space/é $HOME", load_params(ROOT / "params/tiny.yaml")
+    bin_, log = fake_slurm(tmp_path / "bin"), tmp_path / "log"
+    log.mkdir()
+    env = {"FAKE_LOG": str(log), "PATH": f"{bin_}:/usr/bin:/bin", "SLURM_ARRAY_TASK_ID": "1"}
+    own_env = lambda script: "\n".join(l for l in script.splitlines() if not l.startswith("source "))  # else the real marin-study
+    array = render_array(out, [{}, {}], params, "sweep-é", project=ROOT)
+    assert f"--output={out}/task-%a/slurm-%A_%a.out" in sbatch_options(array)
+    (tmp_path / "array.sh").write_text(own_env(array))
+    run(["bash", tmp_path / "array.sh"], env=env)
+    assert (log / "marin-study").read_text().splitlines() == ["launch", "task", str(out), "1"]
+    (tmp_path / "summary.sh").write_text(own_env(render_summary(out, params, "sweep-é", project=ROOT)))
+    run(["bash", tmp_path / "summary.sh"], env=env)
+    assert (log / "marin-study").read_text().splitlines() == ["launch", "summarize", str(out)]
