@@ -1,11 +1,14 @@
 import dataclasses
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
+import psutil
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -183,3 +186,35 @@ def suite(pipeline, tmp_path_factory):
     from marin_study.evaluate import build_evalset, load_suite
     data_dir = tmp_path_factory.mktemp("evalset")
     return data_dir, build_evalset(load_suite(ROOT / "evals/tasks"), pipeline["root"] / "out/clean", data_dir)
+
+
+def losses(run_dir: Path, key: str = "loss") -> list:
+    from marin_study.trainer.metrics import MetricsLog
+    return [r[key] for r in MetricsLog(run_dir / "metrics.jsonl").read()]
+
+
+def kill_during(cmd: list[str], run_dir: Path, after_step: int, checkpointed: bool = True) -> None:
+    "Start `cmd` and SIGKILL it and all its processes once `after_step` is in the metrics (and a checkpoint exists)."
+    from marin_study.trainer.checkpoint import Checkpoints
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            env={**os.environ, "PATH": f"{BIN}{os.pathsep}{os.environ['PATH']}"})
+    deadline = time.time() + 300
+    def reached() -> bool:
+        return (run_dir / "metrics.jsonl").exists() and len(losses(run_dir)) >= after_step \
+            and (bool(Checkpoints(run_dir / "checkpoints").steps()) or not checkpointed)
+    while not reached():
+        assert proc.poll() is None and time.time() < deadline, "the run ended before it could be killed"
+        time.sleep(0.05)
+    family = [proc.pid] + [c.pid for c in psutil.Process(proc.pid).children(recursive=True)]
+    for pid in family:
+        try: os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError: pass
+    proc.wait()
+
+
+def check_same_run(run_dir: Path, reference_dir: Path, context: str, steps: int = STEPS) -> None:
+    "Every step logged once, with the very losses, gradient norms and balancing biases of the reference run."
+    from marin_study.trainer.metrics import MetricsLog
+    assert [r["step"] for r in MetricsLog(run_dir / "metrics.jsonl").read()] == list(range(1, steps + 1)), context
+    for key in ("loss", "grad_norm", "moe/bias_norm"):
+        assert losses(run_dir, key) == losses(reference_dir, key), f"{context}: {key}"

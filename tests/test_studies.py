@@ -105,6 +105,8 @@ def test_dvc_repro_trains_the_tiny_study_reports_on_it_and_a_second_repro_resume
     # the pipeline's mechanics, not the suite's numbers: 32 documents per task keep the three evaluations short
     stages = project_copy / "dvc.yaml"
     stages.write_text(stages.read_text().replace("--every 100 --out", "--every 100 --limit 32 --out"))
+    preset = project_copy / "params/tiny.yaml"  # 200 steps, not 300: the same stages and checks, a minute sooner
+    preset.write_text(preset.read_text().replace("  steps: 300\n", "  steps: 200\n", 1))
     # the project's DVC cache, as a team shares one: stages a `dvc repro` here already ran (the data stages, the eval
     # suite) come from its run cache in seconds, not 80 s (tests/test_data.py reruns them); training always runs,
     # since a persistent output is never restored from the run cache
@@ -114,7 +116,7 @@ def test_dvc_repro_trains_the_tiny_study_reports_on_it_and_a_second_repro_resume
     assert all(f"stage '{s}'" in result.stdout.lower() for s in ("clean", "tokenizer", "pack", "evalset"))  # ran or restored
     findings = json.loads((project_copy / "reports/loss_findings.json").read_text())["train_tiny"]
     card = json.loads((project_copy / "reports/train_tiny_run_card.json").read_text())
-    assert card["resumed_at"] == [150] and card["steps"] == 300 and card["git_commit"] and card["data_hash"]
+    assert card["resumed_at"] == [100] and card["steps"] == 200 and card["git_commit"] and card["data_hash"]
     assert {f["kind"] for f in findings["findings"]} <= set(KINDS) and findings["errors"] == 0
     assert findings["warnings"] == sum(f["severity"] != "info" for f in findings["findings"]) >= 1  # the early imbalance
     assert "without encryption" not in result.stdout + result.stderr  # kernels over IPC, not TCP
@@ -123,13 +125,13 @@ def test_dvc_repro_trains_the_tiny_study_reports_on_it_and_a_second_repro_resume
     pixels, dom = screenshot_and_text(report, tmp_path)
     assert pixels[..., :3].std() > 0.05 and (pixels[..., :3] < 0.9).mean() > 0.02  # drawn, not a blank page
     assert "Findings" in dom and f"0 error(s), {findings['warnings']} warning(s)" in dom and "schedule" in dom
-    assert "router_imbalance" in dom and "not enough data" in dom  # 300 steps fit no scaling law worth a target
+    assert "router_imbalance" in dom and "not enough data" in dom  # 200 steps fit no scaling law worth a target
     assert f"params/tiny.yaml</code> (sha256 <code>{sha256_file(project_copy / 'params/tiny.yaml')[:12]}" in report.read_text()
     assert "Run card" in dom and card["params_hash"][:12] in dom
     run(["dvc", "plots", "show", "-o", str(tmp_path / "plots")], cwd=project_copy)
     assert (tmp_path / "plots/index.html").exists()
     summary = json.loads((project_copy / "reports/train_tiny.json").read_text())
-    assert summary["steps"] == 300 and summary["train_loss_end"] < summary["train_loss_start"] - 2.0
+    assert summary["steps"] == 200 and summary["train_loss_end"] < summary["train_loss_start"] - 2.0
     html = (project_copy / "reports/train_tiny.html").read_text()
     assert not remote_references(html) and html.count("data:image/png;base64,") >= 1
     assert "resumed from" in html  # the second leg continued from the half-way checkpoint
@@ -141,16 +143,16 @@ def test_dvc_repro_trains_the_tiny_study_reports_on_it_and_a_second_repro_resume
     result = run(["dvc", "repro", "generate"], cwd=project_copy)
     assert "Running stage 'export'" in result.stdout and "Running stage 'generate'" in result.stdout
     record = json.loads((project_copy / "runs/tiny/export/marin_export.json").read_text())
-    assert record["step"] == 300 and record["source_run"] == str(runs.resolve())
+    assert record["step"] == 200 and record["source_run"] == str(runs.resolve())
     samples = [json.loads(l) for l in (project_copy / "reports/generate_tiny.jsonl").read_text().splitlines()]
     assert {s["domain"] for s in samples} >= {"web", "code", "chat"}
     assert all(s["finish_reason"] == "stop" or s["new_tokens"] == 48 for s in samples)
     html = (project_copy / "reports/generate_tiny.html").read_text()
     assert not remote_references(html) and "greedy tokens equal" in html and "sampled" in html
     assert f"params.yaml (via runs/tiny/export)</code> (sha256 <code>{record['params_sha256'][:12]}" in html  # the run it came from
-    # what it can do: lm-eval on the checkpoints of steps 100, 200 and 300, a report, and DVC metrics to compare runs
+    # what it can do: lm-eval on the checkpoints of steps 100 and 200, a report, and DVC metrics to compare runs
     rows = json.loads((project_copy / "runs/tiny/eval.json").read_text())
-    assert sorted({r["step"] for r in rows}) == [100, 200, 300] and not any(r["contaminated"] for r in rows)
+    assert sorted({r["step"] for r in rows}) == [100, 200] and not any(r["contaminated"] for r in rows)
     assert "Ability against tokens" in (project_copy / "reports/loss_report.html").read_text()
     run(["dvc", "repro", "eval_report"], cwd=project_copy)
     html = (project_copy / "reports/eval_tiny.html").read_text()
@@ -159,14 +161,14 @@ def test_dvc_repro_trains_the_tiny_study_reports_on_it_and_a_second_repro_resume
     assert "reports/eval_tiny.json" in metrics and "choice_heldout" in metrics
     # the persistent run is found, nothing retrains (--single-item: --force alone reruns the data stages too)
     run(["dvc", "repro", "--force", "--single-item", "train"], cwd=project_copy)
-    assert len(MetricsLog(runs / "metrics.jsonl").read()) == 300
+    assert len(MetricsLog(runs / "metrics.jsonl").read()) == 200
     assert "Data and pipelines are up to date" in run(["dvc", "status", "train"], cwd=project_copy).stdout
     # a DVC experiment with -S overrides (what `dvc exp run --queue` would queue) reaches the stages that read the
     # params; the ladder stage reads every preset and is seconds long (a second training run on other seeds cost CI
     # three minutes: the seeds' robustness at full length is tests/slow/tiny_robustness.py's)
-    run(["dvc", "exp", "run", "-S", "params/tiny.yaml:train.steps=200", "ladder"], cwd=project_copy)
+    run(["dvc", "exp", "run", "-S", "params/tiny.yaml:train.steps=400", "ladder"], cwd=project_copy)
     tiny = pd.read_csv(project_copy / "reports/ladder.csv").set_index("preset").loc["tiny"]
-    assert tiny["tokens"] == 200 * 16 * 256
+    assert tiny["tokens"] == 400 * 16 * 256
     assert len(run(["dvc", "exp", "list", "--name-only"], cwd=project_copy).stdout.split()) == 1
 
 

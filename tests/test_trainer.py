@@ -1,7 +1,6 @@
 "The trainer as researchers run it: real DeepSpeed processes on CPU, kills, signals, resumes and bad batches."
 import json
 import os
-import random
 import shutil
 import signal
 import subprocess
@@ -13,14 +12,9 @@ import psutil
 import pytest
 import torch
 
-from conftest import BIN, ROOT, STEPS, command, free_port, run
+from conftest import BIN, ROOT, STEPS, check_same_run, command, free_port, kill_during, losses, run
 from marin_study.trainer.checkpoint import Checkpoints, checkpoint_name
 from marin_study.trainer.metrics import MetricsLog, eval_domains
-
-def losses(run_dir: Path, key: str = "loss") -> list:
-    return [r[key] for r in MetricsLog(run_dir / "metrics.jsonl").read()]
-
-
 
 @pytest.mark.parametrize("zero", [1, 2, 3])
 def test_each_rank_holds_the_model_state_bytes_the_planner_predicts(zero, reference, params_file, tmp_path):
@@ -64,34 +58,6 @@ def test_every_launcher_gives_identical_results(launcher, reference, params_file
     assert losses(tmp_path / "run") == losses(reference(0))[:4]
 
 
-def kill_during(cmd: list[str], run_dir: Path, after_step: int, checkpointed: bool = True) -> None:
-    "Start `cmd` and SIGKILL it and all its processes once `after_step` is in the metrics (and a checkpoint exists)."
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                            env={**os.environ, "PATH": f"{BIN}{os.pathsep}{os.environ['PATH']}"})
-    deadline = time.time() + 300
-    def reached() -> bool:
-        return (run_dir / "metrics.jsonl").exists() and len(losses(run_dir)) >= after_step \
-            and (bool(Checkpoints(run_dir / "checkpoints").steps()) or not checkpointed)
-    while not reached():
-        assert proc.poll() is None and time.time() < deadline, "the run ended before it could be killed"
-        time.sleep(0.05)
-    family = [proc.pid] + [c.pid for c in psutil.Process(proc.pid).children(recursive=True)]
-    for pid in family:
-        try: os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError: pass
-    proc.wait()
-
-
-@pytest.mark.parametrize("zero", [0, 2])
-def test_sigkill_at_a_random_step_then_resume_is_bit_exact(zero, reference, params_file, tmp_path):
-    step = random.randint(2, STEPS - 1)
-    cmd = command("torchrun", params_file, tmp_path / "run", f"parallel.zero_stage={zero}")
-    kill_during(cmd, tmp_path / "run", step)
-    result = run(cmd)
-    assert "resumed from" in result.stderr, f"killed after step {step}: {result.stderr[-2000:]}"
-    check_same_run(tmp_path / "run", reference(zero), f"killed after step {step}")
-
-
 def test_sigkill_before_the_first_checkpoint_starts_over_without_duplicate_lines(reference, params_file, tmp_path):
     cmd = command("torchrun", params_file, tmp_path / "run", "train.checkpoint_every=0")
     kill_during(cmd, tmp_path / "run", 1, checkpointed=False)
@@ -99,13 +65,6 @@ def test_sigkill_before_the_first_checkpoint_starts_over_without_duplicate_lines
     result = run(cmd)
     assert "resumed from" not in result.stderr
     check_same_run(tmp_path / "run", reference(0), "killed before the first checkpoint")
-
-
-def check_same_run(run_dir: Path, reference_dir: Path, context: str, steps: int = STEPS) -> None:
-    "Every step logged once, with the very losses, gradient norms and balancing biases of the reference run."
-    assert [r["step"] for r in MetricsLog(run_dir / "metrics.jsonl").read()] == list(range(1, steps + 1)), context
-    for key in ("loss", "grad_norm", "moe/bias_norm"):
-        assert losses(run_dir, key) == losses(reference_dir, key), f"{context}: {key}"
 
 
 def test_two_processes_resume_on_one_through_a_universal_checkpoint(reference, params_file, tmp_path):
@@ -126,25 +85,6 @@ def test_two_processes_resume_on_one_through_a_universal_checkpoint(reference, p
     assert card["final"]["loss"] == {"value": losses(run_dir)[-1], "step": STEPS} and card["tokens"] == STEPS * 8 * 128
     assert len(card["git_commit"]) == 40 and card["params_hash"] and card["data_hash_from"] == "shards meta"
     assert "resumed at step 2" in (run_dir / "RUN_CARD.md").read_text()
-
-
-def test_a_corrupt_checkpoint_is_reported_and_skipped_never_silently_replaced(reference, params_file, tmp_path):
-    run_dir = tmp_path / "run"
-    shutil.copytree(reference(0), run_dir)
-    newest = run_dir / "checkpoints/step-00000008/deepspeed/mp_rank_00_model_states.pt"
-    newest.write_bytes(newest.read_bytes()[:-10] + b"0123456789")
-    torn = Checkpoints(run_dir / "checkpoints").begin(10)  # a save that never finished
-    result = run(command("torchrun", params_file, run_dir, "train.steps=10"))
-    assert "step-00000008" in result.stderr and "sha256" in result.stderr and "resumed from" in result.stderr
-    assert "step-00000006" in result.stderr.split("resumed from")[1].splitlines()[0]
-    assert [r["step"] for r in MetricsLog(run_dir / "metrics.jsonl").read()] == list(range(1, 11))
-    assert not torn.exists()
-    for step in (2, 4, 6):
-        (run_dir / f"checkpoints/step-{step:08d}/trainer.json").write_text("torn")
-    for step in (8, 10):
-        shutil.rmtree(run_dir / f"checkpoints/step-{step:08d}/deepspeed")
-    result = run(command("alone", params_file, run_dir, "train.steps=10"), check=False)
-    assert result.returncode == 2 and "refusing to start over" in result.stderr
 
 
 def test_changed_params_are_refused_in_an_existing_run(reference, params_file, tmp_path):
