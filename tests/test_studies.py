@@ -102,9 +102,9 @@ def screenshot_and_text(html: Path, tmp_path: Path) -> tuple[np.ndarray, str]:
 
 
 def test_dvc_repro_trains_the_tiny_study_reports_on_it_and_a_second_repro_resumes_its_run(project_copy, tmp_path):
-    # the pipeline's mechanics, not the suite's numbers: 32 documents per task keep the three evaluations short
+    # the pipeline's mechanics, not the suite's numbers: 8 documents per task keep the two evaluations short
     stages = project_copy / "dvc.yaml"
-    stages.write_text(stages.read_text().replace("--every 100 --out", "--every 100 --limit 32 --out"))
+    stages.write_text(stages.read_text().replace("--every 100 --out", "--every 100 --limit 8 --out"))
     preset = project_copy / "params/tiny.yaml"  # 200 steps, not 300: the same stages and checks, a minute sooner
     preset.write_text(preset.read_text().replace("  steps: 300\n", "  steps: 200\n", 1))
     # the project's DVC cache, as a team shares one: stages a `dvc repro` here already ran (the data stages, the eval
