@@ -138,8 +138,7 @@ raise SystemExit(cli.main(sys.argv[4:]))
 """
 
 
-def test_a_failed_save_on_one_rank_stops_both_with_one_error_and_the_run_resumes(params_file, tmp_path):
-    import pytest
+def test_a_failed_save_on_one_rank_stops_both_with_one_error_and_keeps_the_saved_checkpoints(params_file, tmp_path):
     from conftest import BIN, command, free_port, run
     from marin_study.config import load_params
     from marin_study.trainer.checkpointer import checkpoint_size
@@ -159,9 +158,7 @@ def test_a_failed_save_on_one_rank_stops_both_with_one_error_and_the_run_resumes
         # no rank's traceback: only torchrun's own report of the exit status, with the traceback of torchrun itself
         assert 'failing_save.py", line' not in result.stderr and "marin_study/" not in result.stderr
         assert Checkpoints(run_dir / "checkpoints").steps() == [2] and not list((run_dir / "checkpoints").glob(".*"))
-    resumed = run(command("torchrun", params_file, run_dir, until=6))
-    assert "resumed from" in resumed.stderr and "step-00000002" in resumed.stderr
-    assert [r["step"] for r in MetricsLog(run_dir / "metrics.jsonl").read()] == list(range(1, 7))
+    # resuming after an unfinished save is the drills' (tests/test_drills.py): CI's minutes go to what only this shows
 
 
 def test_a_resume_with_changed_settings_applies_warns_and_records_them_and_a_lost_log_is_named(params_file, tmp_path):

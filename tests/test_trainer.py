@@ -12,7 +12,7 @@ import psutil
 import pytest
 import torch
 
-from conftest import BIN, ROOT, STEPS, check_same_run, command, free_port, kill_during, losses, run
+from conftest import BIN, ROOT, STEPS, check_same_run, command, free_port, losses, run
 from marin_study.trainer.checkpoint import Checkpoints, checkpoint_name
 from marin_study.trainer.metrics import MetricsLog, eval_domains
 
@@ -56,15 +56,6 @@ def test_zero_stages_0_2_3_train_the_same_model_on_two_processes(reference, para
 def test_every_launcher_gives_identical_results(launcher, reference, params_file, tmp_path):
     run(command(launcher, params_file, tmp_path / "run", until=4))
     assert losses(tmp_path / "run") == losses(reference(0))[:4]
-
-
-def test_sigkill_before_the_first_checkpoint_starts_over_without_duplicate_lines(reference, params_file, tmp_path):
-    cmd = command("torchrun", params_file, tmp_path / "run", "train.checkpoint_every=0")
-    kill_during(cmd, tmp_path / "run", 1, checkpointed=False)
-    assert not Checkpoints(tmp_path / "run/checkpoints").steps()
-    result = run(cmd)
-    assert "resumed from" not in result.stderr
-    check_same_run(tmp_path / "run", reference(0), "killed before the first checkpoint")
 
 
 def test_two_processes_resume_on_one_through_a_universal_checkpoint(reference, params_file, tmp_path):
