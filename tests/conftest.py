@@ -218,3 +218,10 @@ def check_same_run(run_dir: Path, reference_dir: Path, context: str, steps: int 
     assert [r["step"] for r in MetricsLog(run_dir / "metrics.jsonl").read()] == list(range(1, steps + 1)), context
     for key in ("loss", "grad_norm", "moe/bias_norm"):
         assert losses(run_dir, key) == losses(reference_dir, key), f"{context}: {key}"
+
+
+def tree_hashes(path: Path) -> dict[str, str]:
+    "sha256 of every file under `path` (hidden ones too: a leftover is a difference); {} when it is missing."
+    from marin_study.utils import sha256_file
+    if path.is_file(): return {".": sha256_file(path)}
+    return {str(p.relative_to(path)): sha256_file(p) for p in sorted(path.rglob("*")) if p.is_file()}

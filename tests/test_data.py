@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import ROOT, run, small_corpus
+from conftest import ROOT, run, small_corpus, tree_hashes
 from marin_study.config import ConfigError, MixturePhase, load_params
 from marin_study.data.clean import clean_corpus, contamination, first_failed_filter, normalize, quality_stats
 from marin_study.data.corpus import DataError, read_jsonl
@@ -358,13 +358,6 @@ def test_a_heldout_document_quoted_whole_inside_a_long_training_one_leaves_the_h
 
 
 # --- Interrupted stages, mismatched shards and bad input (issue 22) ---
-
-def tree_hashes(path: Path) -> dict[str, str]:
-    "sha256 of every file under `path` (hidden ones too: a leftover is a difference); {} when it is missing."
-    from marin_study.utils import sha256_file
-    if path.is_file(): return {".": sha256_file(path)}
-    return {str(p.relative_to(path)): sha256_file(p) for p in sorted(path.rglob("*")) if p.is_file()}
-
 
 def data_cli(action: str, raw: Path, out: Path, *sets: str, check: bool = True):
     "`marin-study data ACTION` on the tiny params with a 1024-id tokenizer, the corpus `raw` and the outputs in `out`."

@@ -18,7 +18,8 @@ from pathlib import Path
 import psutil
 import pytest
 
-from conftest import BIN, ROOT, STEPS, check_same_run, command, free_port, kill_during, losses, run, small_corpus
+from conftest import (
+    BIN, ROOT, STEPS, check_same_run, command, free_port, kill_during, losses, run, small_corpus, tree_hashes)
 from marin_study.trainer.checkpoint import Checkpoints, checkpoint_name
 from marin_study.trainer.metrics import MetricsLog
 from test_launch import STEPS as LAUNCH_STEPS, FINAL, job_states, launch_params, marin, wait_for as job_end  # noqa: F401 (a fixture)
@@ -218,13 +219,6 @@ OLD = ["model.vocab_size=2048", "data.heldout_fraction=0.1", "data.token_dtype=u
 OUTPUTS = {"clean": ["clean"], "tokenizer": ["tokenizer.json", "tokenizer_report.json"], "pack": ["shards"]}
 
 
-def hashes(path: Path) -> dict[str, str]:
-    "sha256 of every file under `path` (hidden ones too: a leftover is a difference); {} when it is missing."
-    from marin_study.utils import sha256_file
-    if path.is_file(): return {".": sha256_file(path)}
-    return {str(p.relative_to(path)): sha256_file(p) for p in sorted(path.rglob("*")) if p.is_file()}
-
-
 def data_cmd(action: str, raw: Path, out: Path, sets: list[str]) -> list[str]:
     overrides = [f"data.dir={raw}", f"data.out_dir={out}", *sets]
     return [str(BIN / "marin-study"), "data", action, str(ROOT / "params/tiny.yaml")] + \
@@ -280,7 +274,7 @@ def test_sigkill_during_a_data_stage_leaves_old_or_no_output_and_a_rerun_is_iden
             target = out / name
             shutil.rmtree(target) if target.is_dir() else target.unlink()
             (shutil.copytree if (root / "new" / name).is_dir() else shutil.copy)(root / "new" / name, target)
-    allowed = [{name: hashes(tree / name) for name in OUTPUTS[stage]} for tree in (root / "old", root / "new")]
+    allowed = [{name: tree_hashes(tree / name) for name in OUTPUTS[stage]} for tree in (root / "old", root / "new")]
     for kill in range(3):
         delay = rng.uniform(0.2, 1.0) * data_drill["seconds"][stage]
         proc = subprocess.Popen(data_cmd(stage, raw, out, NEW), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
@@ -290,7 +284,7 @@ def test_sigkill_during_a_data_stage_leaves_old_or_no_output_and_a_rerun_is_iden
         _, err = proc.communicate(timeout=60)
         context = f"DRILL_SEED={seed}, kill {kill + 1} after {delay:.2f} s (exit {proc.returncode}): {err[-2000:]}"
         assert proc.returncode in (0, -signal.SIGKILL), context
-        left = {name: hashes(out / name) for name in OUTPUTS[stage]}
+        left = {name: tree_hashes(out / name) for name in OUTPUTS[stage]}
         # a file output (tokenizer.json) and its report are committed one after the other: each is old, new or absent
         for name, files in left.items():
             assert files in ({}, allowed[0][name], allowed[1][name]), f"{name} is a mix of old and new; {context}"
@@ -298,7 +292,7 @@ def test_sigkill_during_a_data_stage_leaves_old_or_no_output_and_a_rerun_is_iden
         assert outcome == "works" or outcome.startswith("refused: "), context
     for action in list(OUTPUTS)[list(OUTPUTS).index(stage):]:  # the rerun, and the stages after it as dvc repro runs them
         run(data_cmd(action, raw, out, NEW))
-    assert hashes(out) == hashes(root / "new"), f"the rerun differs from an uninterrupted run (DRILL_SEED={seed})"
+    assert tree_hashes(out) == tree_hashes(root / "new"), f"the rerun differs from an uninterrupted run (DRILL_SEED={seed})"
     assert training_start(out) == "works"
 
 
