@@ -3,12 +3,14 @@
 # %% ../nbs/03_hardware.ipynb #65ea0465
 from __future__ import annotations
 
+import os
 import platform
 from dataclasses import dataclass
 from pathlib import Path
 
 # %% auto #0
-__all__ = ['GB', 'HARDWARE', 'ALIASES', 'HardwareError', 'Device', 'device', 'gpu_device', 'cpu_bf16', 'loss_chunk_rows']
+__all__ = ['GB', 'HARDWARE', 'ALIASES', 'ONEDNN_BF16_ISAS', 'HardwareError', 'Device', 'device', 'gpu_device', 'cpu_bf16',
+           'loss_chunk_rows']
 
 # %% ../nbs/03_hardware.ipynb #2b4df378
 class HardwareError(ValueError):
@@ -54,10 +56,19 @@ def gpu_device(cuda_name: str, memory: float) -> Device | None:
     return None
 
 # %% ../nbs/03_hardware.ipynb #c81d3e05
+# oneDNN's ISA levels that hold bf16 dot products (ONEDNN_MAX_CPU_ISA caps the level it dispatches to)
+ONEDNN_BF16_ISAS = ("AVX512_CORE_BF16", "AVX512_CORE_FP16", "AVX512_CORE_AMX", "AVX10_1_512", "ALL")
+
 def cpu_bf16() -> str | None:
-    "The instructions this CPU runs bf16 matmuls with (AMX, AVX512_BF16, Arm BF16), or None where bf16 is emulated."
+    """The instructions this CPU runs bf16 matmuls with (AMX, AVX512_BF16, Arm BF16), or None where bf16 is emulated:
+    the CPU lacks them, or torch (`ATEN_CPU_CAPABILITY` below avx512) or oneDNN (`ONEDNN_MAX_CPU_ISA` below
+    AVX512_CORE_BF16) is told not to use them, which is how a CPU without them is reproduced on one that has them."""
     import torch
-    if getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)(): return "AMX"
+    if platform.machine() in ("x86_64", "AMD64", "i686"):
+        onednn = (os.environ.get("ONEDNN_MAX_CPU_ISA") or os.environ.get("DNNL_MAX_CPU_ISA") or "ALL").upper()
+        if torch.backends.cpu.get_cpu_capability() != "AVX512" or not onednn.startswith(ONEDNN_BF16_ISAS): return None
+        if "AMX" in onednn or onednn == "ALL":
+            if getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)(): return "AMX"
     if getattr(torch.cpu, "_is_avx512_bf16_supported", lambda: False)(): return "AVX512_BF16"
     if platform.machine() in ("aarch64", "arm64") and Path("/proc/cpuinfo").exists():
         features = {f for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("Features")
