@@ -12,13 +12,14 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from .trainer.metrics import EVAL_BPB, EVAL_LOSS, MFU_CONVENTION, MOE_MAX_LOAD, MOE_MIN_LOAD, moe_layer_key, parse_moe_layer_key
+from .trainer.metrics import (EVAL_BPB, EVAL_LOSS, MFU_CONVENTION, MOE_MAX_LOAD, MOE_MIN_LOAD, TOKENS_PER_SEC,
+                                         moe_layer_key, parse_moe_layer_key)
 from .utils import JsonLinesError, json_lines
 
 # %% auto #0
-__all__ = ['KIT_NAMES', 'WANDB_NAMES', 'KINDS', 'SANE_EXPONENT', 'AnalysisError', 'Finding', 'load_curves', 'Thresholds',
-           'diagnose', 'findings_table', 'router_health_frame', 'plot_router_load', 'compare', 'ScalingFit',
-           'fit_scaling_law']
+__all__ = ['KIT_NAMES', 'WANDB_NAMES', 'KINDS', 'SANE_EXPONENT', 'AnalysisError', 'Finding', 'load_curves', 'as_curves',
+           'Thresholds', 'diagnose', 'findings_table', 'router_health_frame', 'plot_router_load', 'compare',
+           'ScalingFit', 'fit_scaling_law']
 
 # %% ../nbs/08_analysis.ipynb #14cc0385
 class AnalysisError(ValueError):
@@ -54,6 +55,8 @@ KINDS = {"leak": "initial loss far below ln(vocab): the model already knows the 
          "grad_spike": "a gradient norm many times its rolling median",
          "skipped_steps": "updates the trainer's guard rejected (non-finite or spiking loss or gradient norm)",
          "schedule": "a learning-rate phase change (end of warmup, start of decay) that explains a bend",
+         "mixture": "a data-mixture phase change that explains a step in the training loss",
+         "slow_steps": "tokens per second far below its rolling median: a restart, a compile, a blocking save or a slow node",
          "bad_input": "a problem in the curve file itself (torn line, duplicated or unordered steps)"}
 
 # %% ../nbs/08_analysis.ipynb #e2c852c0
@@ -121,9 +124,17 @@ def load_curves(path: str | os.PathLike, mapping: dict[str, str] | None = None, 
     if path.is_dir(): path = path / "metrics.jsonl"
     if not path.is_file(): raise AnalysisError(f"{path}: no such file; give a run folder, metrics.jsonl or a CSV/JSON export")
     df, problems, where = _read_table(path)
+    return as_curves(df, str(path), run or (path.parent.name if path.name == "metrics.jsonl" else path.stem), mapping,
+                     where, problems)
+
+def as_curves(df: pd.DataFrame, source: str, run: str, mapping: dict[str, str] | None = None,
+              where: list[str] | None = None, problems: list[Finding] | None = None) -> pd.DataFrame:
+    """A table of metrics (the kit's keys, or W&B's) as curves: kit column names, numbers, steps in order and once.
+    `source` names it in errors; `where` names each row's place in it (`file:line`)."""
+    path, where, problems = source, where or [f"{source}: row {i + 1}" for i in range(len(df))], list(problems or [])
     if df.empty: raise AnalysisError(f"{path}: no rows")
     names = {**KIT_NAMES, **{k: v for k, v in WANDB_NAMES.items() if v not in df.columns}}
-    names.update({source: kit for kit, source in (mapping or {}).items()})
+    names.update({column: kit for kit, column in (mapping or {}).items()})
     missing_sources = [s for s in (mapping or {}).values() if s not in df.columns]
     if missing_sources:
         raise AnalysisError(f"{path}: mapped column(s) {missing_sources} not in the file (columns: {', '.join(map(str, df.columns))})")
@@ -132,7 +143,7 @@ def load_curves(path: str | os.PathLike, mapping: dict[str, str] | None = None, 
     for needed in ("step", "loss"):
         if needed not in df.columns:
             raise AnalysisError(f"{path}: no '{needed}' column (columns: {', '.join(map(str, df.columns))}); rename the "
-                                f"column that holds it to '{needed}', or pass load_curves(..., mapping={{'{needed}': '<column>'}})")
+                                f"column that holds it to '{needed}', or pass mapping={{'{needed}': '<column>'}})")
     df = _as_numbers(df, where, {n: c for c, n in renamed.items()})
     df = df.dropna(subset=["step"])
     df["step"] = df["step"].astype(np.int64)
@@ -147,8 +158,8 @@ def load_curves(path: str | os.PathLike, mapping: dict[str, str] | None = None, 
                                 f"{path}: repeated steps (a restarted run logging again); the last of each is kept"))
         df = df[~duplicated]
     df = df.reset_index(drop=True)
-    df.insert(0, "run", run or (path.parent.name if path.name == "metrics.jsonl" else path.stem))
-    df.attrs["problems"], df.attrs["source"] = problems, str(path)
+    df.insert(0, "run", run)
+    df.attrs["problems"], df.attrs["source"] = problems, source
     return df
 
 # %% ../nbs/08_analysis.ipynb #7410d644
@@ -172,6 +183,7 @@ class Thresholds:
     collapse_idle: float = 0.25   # share of a layer's experts with no token, over the second half (per-layer keys)
     grad_spike_ratio: float = 5.0 # a gradient norm this many times the median of the previous `window` steps
     idle_steps: float = 0.5       # router imbalance: some expert of a layer idle on more than this share of the steps
+    slow_ratio: float = 0.7       # slow steps: tokens per second below this share of the rolling median
 
 def _robust_std(x) -> float:
     x = np.asarray(x, dtype=float)
@@ -351,6 +363,23 @@ def _grad_spikes(df, th) -> list[Finding]:
                     "jumps call for a lower peak LR, a longer warmup or a tighter train.grad_clip")
             for i, j in _stretches(flagged)]
 
+def _slow_steps(df, th) -> list[Finding]:
+    "Stretches whose tokens per second fall below `slow_ratio` of the rolling median, past the run's first `window` rows."
+    if TOKENS_PER_SEC not in df.columns: return []
+    rate = pd.to_numeric(df[TOKENS_PER_SEC], errors="coerce")
+    logged = rate.dropna().iloc[th.window:]   # every start is slow (compile, warm caches): judged from then on
+    if len(logged) < th.window: return []
+    baseline = logged.rolling(th.window, center=True, min_periods=5).median()
+    flagged = (logged < th.slow_ratio * baseline).to_numpy()
+    steps = df.loc[logged.index, "step"].to_numpy()
+    return [Finding("slow_steps", int(steps[i]), int(steps[j]), "info",
+                    {"tokens_per_sec": float(logged.iloc[i:j + 1].min()), "baseline": float(baseline.iloc[i]),
+                     "ratio": float(logged.iloc[i:j + 1].min() / baseline.iloc[i])},
+                    "throughput fell here: a restart (compile, loader warm-up), a save that blocks the step, or a slow "
+                    "node; it costs wall clock (goodput), not loss; frequent ones call for asynchronous checkpoints or "
+                    "finding the slow node")
+            for i, j in _stretches(flagged, gap=0)]
+
 def _skipped_mask(df) -> np.ndarray:
     "Which rows are skipped updates: the `skipped` flag, or where `bad_steps` (a running count or 0/1 flags) rises."
     mask = df["skipped"].eq(True).to_numpy() if "skipped" in df.columns else np.zeros(len(df), bool)
@@ -439,6 +468,17 @@ def _schedule(df, th) -> list[Finding]:
                                 "the learning rate starts to decay here; a faster fall after this step is expected"))
     return findings
 
+def _mixture(df, th) -> list[Finding]:
+    "Each change of `data_phase` (the mixture phase the step's batch was drawn from), with the mean loss just before and after."
+    if "data_phase" not in df.columns or df["data_phase"].isna().all(): return []
+    phase, steps, loss = df["data_phase"].ffill().bfill().to_numpy(), df["step"].to_numpy(), df["loss"].to_numpy(dtype=float)
+    return [Finding("mixture", int(steps[i]), int(steps[i]), "info",
+                    {"phase": int(phase[i]), "loss_before": float(np.mean(loss[max(0, i - th.window):i])),
+                     "loss_after": float(np.mean(loss[i:i + th.window]))},
+                    "the data mixture changes here: a step in the training loss at this point is the new data's "
+                    "difficulty, not the model; judge progress on held-out sets, which did not change")
+            for i in np.flatnonzero(np.diff(phase)) + 1]
+
 # %% ../nbs/08_analysis.ipynb #2e854f1f
 def diagnose(df: pd.DataFrame, vocab_size: int | None = None, thresholds: Thresholds | None = None) -> list[Finding]:
     "Findings for one run's curves (columns `step`, `loss`; optional `eval_loss`, `lr`, ...), ordered by step."
@@ -449,14 +489,15 @@ def diagnose(df: pd.DataFrame, vocab_size: int | None = None, thresholds: Thresh
     if df["loss"].isna().all():
         raise AnalysisError(f"{df.attrs.get('source', 'the curves')}: every 'loss' is empty or NaN ({len(df)} rows): the run diverged "
                             "at its first step, or its losses are in another column: point mapping={'loss': '<column>'} at it")
-    eval_only = df["loss"].isna() & (df["eval_loss"].notna() if "eval_loss" in df.columns else False)  # W&B-style eval rows
+    evals = [c for c in df.columns if c in ("eval_loss", "eval_bpb") or str(c).startswith("eval/")]
+    eval_only = df["loss"].isna() & df[evals].notna().any(axis=1)  # W&B-style rows that hold only evaluations
     train = df[~eval_only].reset_index(drop=True)  # a missing loss anywhere else is a failed step
     findings = list(df.attrs.get("problems", [])) + _divergence(train, th) + _skipped_steps(train, th)
     finite = train[np.isfinite(train["loss"])].reset_index(drop=True)
     if len(finite):
         stalled = _no_progress(finite, th)  # a curve that never fell is not a plateau
-        findings += _leak(finite, vocab_size, th) + _spikes(finite, th) + (stalled or _plateau(finite, th)) + _schedule(finite, th)
-        findings += _router_findings(finite, th) + _grad_spikes(finite, th)
+        findings += _leak(finite, vocab_size, th) + _spikes(finite, th) + (stalled or _plateau(finite, th)) + _schedule(finite, th) + _mixture(finite, th)
+        findings += _router_findings(finite, th) + _grad_spikes(finite, th) + _slow_steps(finite, th)
         findings += _eval_findings(df[np.isfinite(df["loss"].fillna(0))], th)
     return sorted(findings, key=lambda f: (f.start_step, f.kind))
 

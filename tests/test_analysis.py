@@ -408,3 +408,16 @@ def test_a_loss_column_of_nans_names_the_file_and_the_fix(tmp_path):
     (tmp_path / "cols.csv").write_text("step,lr\n1,0.1\n")
     with pytest.raises(AnalysisError) as info: load_curves(tmp_path / "cols.csv")
     assert "--map" not in str(info.value) and "rename" in str(info.value)  # no command has a --map option
+
+
+def test_a_mixture_switch_is_a_note_that_explains_the_step_in_the_loss_not_a_spike():
+    "The loss steps up where the data gets harder (the Marin run's switch at step 108,000): a note at that step."
+    df = healthy(3)
+    df["data_phase"] = (df["step"] >= 600).astype(int)
+    df.loc[df["step"] >= 600, "loss"] += 0.04
+    found = diagnose(df, vocab_size=VOCAB)
+    switch = [f for f in found if f.kind == "mixture"]
+    assert len(switch) == 1 and switch[0].start_step == 600 and switch[0].severity == "info"
+    assert switch[0].evidence["loss_after"] > switch[0].evidence["loss_before"] and "mixture" in KINDS
+    assert not [f for f in found if f.severity != "info"]
+    assert not [f for f in diagnose(healthy(3), vocab_size=VOCAB) if f.kind == "mixture"]  # no phase column, no note
