@@ -174,6 +174,7 @@ class ModelConfig(Section):
     n_kv_heads: int = _f(ge=1)
     head_dim: int = _f(ge=2)
     max_seq_len: int = _f(ge=1)
+    n_kv_heads_global: int = _f(0, ge=0)  # KV heads global layers attend with: the first of the n_kv_heads stored (0 = all)
     n_experts: int = _f(0, ge=0)         # 0 = dense
     top_k: int = _f(0, ge=0)
     expert_ffn: int = _f(0, ge=0)
@@ -205,10 +206,17 @@ class ModelConfig(Section):
     def is_moe_layer(self, layer: int) -> bool:
         return self.is_moe and layer >= self.n_dense_layers
 
+    def kv_heads(self, layer: int) -> int:
+        "The KV heads `layer` attends with: `n_kv_heads_global` on global layers where it is set, else `n_kv_heads`."
+        return self.n_kv_heads_global if self.n_kv_heads_global and self.is_global(layer) else self.n_kv_heads
+
     def _rules(self):
         if self.n_heads % self.n_kv_heads:
             yield Problem("n_heads", f"{self.n_heads} heads cannot be shared evenly by {self.n_kv_heads} KV heads",
                           "make n_heads a multiple of n_kv_heads")
+        if self.n_kv_heads_global > self.n_kv_heads or self.n_kv_heads_global and self.n_heads % self.n_kv_heads_global:
+            yield Problem("n_kv_heads_global", f"{self.n_kv_heads_global} must be at most n_kv_heads ({self.n_kv_heads}) "
+                          f"and share the {self.n_heads} heads evenly", "use a divisor of n_heads up to n_kv_heads, or 0")
         if self.head_dim % 2:
             yield Problem("head_dim", f"{self.head_dim} is odd, RoPE rotates pairs of dimensions", "use an even head_dim")
         if self.sliding_window >= self.max_seq_len:

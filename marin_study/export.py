@@ -35,17 +35,20 @@ class ExportError(ValueError):
 
 def _conditions(cfg: ModelConfig, bias_is_zero: bool) -> dict[str, list[tuple[bool, str]]]:
     global_only = cfg.sliding_window == 0
+    uniform_kv = cfg.n_kv_heads_global in (0, cfg.n_kv_heads)
     routed = [(cfg.router == "softmax", "its router scores with a sigmoid"),
               (bias_is_zero, "its balancing bias is not zero, and changes which experts are chosen"),
               (cfg.n_shared_experts == 0, "it has shared experts"), (cfg.latent_dim == 0, "its experts are latent")]
     return {
         "LlamaForCausalLM": [(not cfg.is_moe, "it is an MoE"), (not cfg.qk_norm, "it has QK-norm"),
-                             (global_only, "it has sliding-window layers")],
-        "Qwen3ForCausalLM": [(not cfg.is_moe, "it is an MoE"), (cfg.qk_norm, "it has no QK-norm")],
+                             (global_only, "it has sliding-window layers"), (uniform_kv, "its global layers use fewer KV heads")],
+        "Qwen3ForCausalLM": [(not cfg.is_moe, "it is an MoE"), (cfg.qk_norm, "it has no QK-norm"),
+                             (uniform_kv, "its global layers use fewer KV heads")],
         "MixtralForCausalLM": [(cfg.is_moe, "it is dense"), *routed, (not cfg.qk_norm, "it has QK-norm"),
-                               (global_only, "it has sliding-window layers"), (cfg.n_dense_layers == 0, "it has dense layers")],
+                               (global_only, "it has sliding-window layers"), (cfg.n_dense_layers == 0, "it has dense layers"),
+                               (uniform_kv, "its global layers use fewer KV heads")],
         "Qwen3MoeForCausalLM": [(cfg.is_moe, "it is dense"), *routed, (cfg.qk_norm, "it has no QK-norm"),
-                                (global_only, "it has sliding-window layers")],
+                                (global_only, "it has sliding-window layers"), (uniform_kv, "its global layers use fewer KV heads")],
     }
 
 def choose_architecture(cfg: ModelConfig, bias_is_zero: bool = True, native: bool = True) -> tuple[str, str]:
@@ -77,7 +80,7 @@ def hf_config(cfg: ModelConfig, arch: str, eod_id: int):
                                       num_experts=cfg.n_experts, moe_intermediate_size=cfg.expert_ffn,
                                       n_shared_experts=cfg.n_shared_experts, shared_intermediate_size=cfg.shared_ffn,
                                       latent_dim=cfg.latent_dim, first_k_dense_replace=cfg.n_dense_layers, router=cfg.router,
-                                      **routed)
+                                      num_global_key_value_heads=cfg.n_kv_heads_global or None, **routed)
         config.auto_map = {"AutoConfig": "modeling_marin.MarinConfig", "AutoModelForCausalLM": "modeling_marin.MarinForCausalLM"}
     elif arch == "LlamaForCausalLM":
         config = transformers.LlamaConfig(**common, **rope, intermediate_size=cfg.dense_ffn)

@@ -28,9 +28,10 @@ class MarinConfig(PreTrainedConfig):
                  rms_norm_eps=1e-5, qk_norm=False, sliding_window=None, layer_types=None, intermediate_size=512,
                  num_experts=0, num_experts_per_tok=0, moe_intermediate_size=0, n_shared_experts=0,
                  shared_intermediate_size=0, latent_dim=0, first_k_dense_replace=0, router="sigmoid",
-                 tie_word_embeddings=False, initializer_range=0.02, use_cache=True, **kwargs):
+                 tie_word_embeddings=False, initializer_range=0.02, use_cache=True, num_global_key_value_heads=None, **kwargs):
         self.vocab_size, self.hidden_size, self.num_hidden_layers = vocab_size, hidden_size, num_hidden_layers
         self.num_attention_heads, self.num_key_value_heads, self.head_dim = num_attention_heads, num_key_value_heads, head_dim
+        self.num_global_key_value_heads = num_global_key_value_heads  # the first of the stored KV heads that full-attention layers use
         self.max_position_embeddings, self.rope_theta, self.rms_norm_eps = max_position_embeddings, rope_theta, rms_norm_eps
         self.qk_norm, self.sliding_window = qk_norm, sliding_window
         self.layer_types = layer_types or ["full_attention"] * num_hidden_layers
@@ -87,8 +88,9 @@ class MarinAttention(nn.Module):
         super().__init__()
         self.config, self.layer_idx = config, layer
         self.H, self.K, self.d = config.num_attention_heads, config.num_key_value_heads, config.head_dim
-        self.num_key_value_groups, self.is_causal = self.H // self.K, True  # what transformers' attention reads
         self.window = config.sliding_window if config.layer_types[layer] == "sliding_attention" else None
+        self.K_used = self.K if self.window or not config.num_global_key_value_heads else config.num_global_key_value_heads
+        self.num_key_value_groups, self.is_causal = self.H // self.K_used, True  # what transformers' attention reads
         self.q_proj = nn.Linear(config.hidden_size, self.H * self.d, bias=False)
         self.k_proj = nn.Linear(config.hidden_size, self.K * self.d, bias=False)
         self.v_proj = nn.Linear(config.hidden_size, self.K * self.d, bias=False)
@@ -102,7 +104,8 @@ class MarinAttention(nn.Module):
         k_BKTd = self.k_proj(x_BTD).view(B, T, self.K, self.d).transpose(1, 2)
         v_BKTd = self.v_proj(x_BTD).view(B, T, self.K, self.d).transpose(1, 2)
         if self.q_norm is not None: q_BHTd, k_BKTd = self.q_norm(q_BHTd), self.k_norm(k_BKTd)
-        q_BHTd, k_BKTd = rope(q_BHTd, *cos_sin), rope(k_BKTd, *cos_sin)
+        q_BHTd, k_BKTd = rope(q_BHTd, *cos_sin), rope(k_BKTd[:, :self.K_used], *cos_sin)
+        v_BKTd = v_BKTd[:, :self.K_used]
         if cache is not None: k_BKTd, v_BKTd = cache.update(k_BKTd, v_BKTd, self.layer_idx)
         attend = ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation, eager_attention)
         y_BTHd, _ = attend(self, q_BHTd, k_BKTd, v_BKTd, mask, scaling=self.d ** -0.5, sliding_window=self.window, **kwargs)

@@ -74,6 +74,7 @@ class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig, layer: int):
         super().__init__()
         self.H, self.K, self.d = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+        self.K_used = cfg.kv_heads(layer)   # global layers of the 535B attend with the first 6 of the 12 KV heads stored
         self.window = 0 if cfg.is_global(layer) else cfg.sliding_window
         self.qkv = nn.Linear(cfg.hidden_size, (self.H + 2 * self.K) * self.d, bias=False)
         self.out = nn.Linear(self.H * self.d, cfg.hidden_size, bias=False)
@@ -99,6 +100,7 @@ class Attention(nn.Module):
         q_BHTd = apply_rope(q_BTHd, cos_T1d, sin_T1d).transpose(1, 2)
         k_BKTd = apply_rope(k_BTKd, cos_T1d, sin_T1d).transpose(1, 2)
         v_BKTd = v.view(B, T, self.K, self.d).transpose(1, 2)
+        k_BKTd, v_BKTd = k_BKTd[:, :self.K_used], v_BKTd[:, :self.K_used]
         if self.recompute: y_BHTd = checkpoint(self.core, q_BHTd, k_BKTd, v_BKTd, use_reentrant=False)
         else: y_BHTd = self.core(q_BHTd, k_BKTd, v_BKTd)
         return self.out(y_BHTd.transpose(1, 2).reshape(B, T, self.H * self.d))

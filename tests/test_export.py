@@ -16,7 +16,8 @@ from conftest import BIN, ROOT, command, run
 from marin_study.accounting import param_counts
 from marin_study.config import load_params, save_params
 from marin_study.data.corpus import read_jsonl
-from marin_study.export import ExportError, export, export_layout, load_export, read_export, write_export
+from marin_study.export import (ExportError, choose_architecture, export, export_layout, load_export, read_export,
+                                write_export)
 from marin_study.generate import greedy_reference
 from marin_study.model import Transformer
 from marin_study.trainer.checkpoint import safe_loading, write_manifest
@@ -130,6 +131,25 @@ def test_every_native_class_computes_our_model(arch, change, pipeline, tmp_path)
     assert type(hf).__name__ == arch
     ids = torch.randint(0, 2048, (2, cfg.max_seq_len))
     with torch.no_grad(): assert (hf(ids).logits - model(ids).logits).abs().max() < 1e-5
+
+
+def test_global_layers_that_attend_with_fewer_kv_heads_export_with_our_logits_and_cache(pipeline, tmp_path):
+    "The 535B's global layers use the first 6 of their 12 stored KV heads: the export does the same, in its cache too."
+    cfg = dataclasses.replace(pipeline["params"].model, vocab_size=2048, n_kv_heads=2, n_kv_heads_global=1)
+    assert cfg.kv_heads(cfg.n_layers - 1) == 1 and cfg.kv_heads(0) == 2
+    torch.manual_seed(0)
+    model = Transformer(cfg).eval()
+    record = write_export(cfg, model.state_dict(), tmp_path / "export", tokenizer_of(pipeline))
+    assert record["architecture"] == "MarinForCausalLM"  # no native class attends with fewer KV heads on some layers
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "export").eval()
+    ids = torch.randint(0, 2048, (2, cfg.max_seq_len), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad(): assert (hf(ids).logits - model(ids).logits).abs().max() < 1e-5
+    prompt = ids[:1, :120]
+    cached = hf.generate(prompt, max_new_tokens=24, min_new_tokens=24, do_sample=False)
+    assert cached[0, 120:].tolist() == greedy_reference(model, prompt[0].tolist(), 24)
+    dense = dataclasses.replace(cfg, n_experts=0, top_k=0, expert_ffn=0, n_shared_experts=0, shared_ffn=0, latent_dim=0,
+                                dense_ffn=192, sliding_window=0, tie_embeddings=True)
+    assert "its global layers use fewer KV heads" in choose_architecture(dense)[1]
 
 
 def test_every_zero_stage_and_world_size_exports_the_same_model_and_round_trips_bit_exact(reference, pipeline, tmp_path):

@@ -383,3 +383,21 @@ def test_unaligned_expert_shapes_fall_back_to_the_loop(hidden, latent, ffn):
             out = model(tokens(), tokens(seed=3))
         out.loss.backward()
         assert torch.isfinite(out.loss)
+
+
+def test_global_layers_attend_with_the_first_kv_heads_when_n_kv_heads_global_is_set():
+    "The 535B stores 12 KV heads on every layer and its global layers attend with the first 6: the unused ones are inert."
+    model = tiny_model(n_kv_heads=2, n_kv_heads_global=1).eval()
+    assert sum(p.numel() for p in model.parameters()) == sum(p.numel() for p in tiny_model(n_kv_heads=2).parameters())
+    x = tokens(T=200)
+    with torch.no_grad():
+        before = model(x).logits
+        layers = [(i, b.attn) for i, b in enumerate(model.blocks)]
+        (g, glob), (l, local) = next(p for p in layers if TINY.is_global(p[0])), next(p for p in layers if not TINY.is_global(p[0]))
+        d, H = glob.d, glob.H
+        glob.qkv.weight[(H + 1) * d:(H + 2) * d] += 1.0      # the global layer's second key head: stored, not attended with
+        glob.qkv.weight[(H + 3) * d:] += 1.0                 # and its second value head
+        assert torch.equal(model(x).logits, before)
+        local.qkv.weight[(H + 1) * d:(H + 2) * d] += 1.0     # a local layer attends with both
+        assert not torch.allclose(model(x).logits, before)
+    with pytest.raises(Exception, match="n_kv_heads_global"): dataclasses.replace(TINY, n_kv_heads=2, n_kv_heads_global=3)
