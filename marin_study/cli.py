@@ -144,7 +144,8 @@ def _plan(args) -> None:
     gpus = args.gpus or p.launch.nodes * p.launch.gpus_per_node
     if gpu == "cpu" or not gpus:
         raise PlanError(f"{args.params}: launch runs on CPU; name a GPU and a count to plan for, e.g. --gpu h100 --gpus 64")
-    result = plan(p, gpu, gpus, mfu=args.mfu, precision=args.precision, accounting=args.accounting, tokens=args.tokens)
+    result = plan(p, gpu, gpus, mfu=args.mfu, precision=args.precision, accounting=args.accounting, tokens=args.tokens,
+                  goodput=args.goodput)
     if args.write_configs:
         if (chosen := result.trainable) is None:
             raise PlanError("no layout that the trainer runs fits (tensor and pipeline parallelism are the planner's "
@@ -156,7 +157,7 @@ def _plan(args) -> None:
     own = None  # the layout the params' launch section asks for, when it is planned on the params' own GPUs
     if not args.gpus and not args.gpu and p.launch.device != "cpu":
         mine = evaluate(p, Layout.from_params(p, gpus), result.device, args.precision, args.accounting)
-        own = (mine, Plan(p, result.device, gpus, args.mfu, [mine], args.precision, args.tokens))
+        own = (mine, Plan(p, result.device, gpus, args.mfu, [mine], args.precision, args.tokens, args.goodput))
     if args.json: print(json.dumps({**result.to_json(), "params_layout": own and {
         **own[0].row(), "fits": own[0].fits, "days": own[1].days(own[0]), "days_in_words": own[1].days_in_words(own[0])}}, indent=1))
     else:
@@ -171,11 +172,16 @@ def _plan(args) -> None:
 # %% ../nbs/90_cli.ipynb #d92f6a31
 def _analyze(args) -> None:
     from marin_study.analysis import AnalysisError, diagnose, load_curves
+    if not args.metrics and not args.record:
+        raise SystemExit(_fail("analyze: name run folders or metrics files, or --record for the Marin run's public record"))
     vocab = load_params(args.params, args.set).model.vocab_size if args.params else None
     try:
         try: mapping = dict(split_assignment(m, example="loss=train/lm_loss") for m in args.map)
         except ValueError as e: raise AnalysisError(f"--map {e}") from None
         found = {path: diagnose(load_curves(path, mapping), vocab) for path in args.metrics}
+        if args.record:
+            from marin_study import record
+            found[f"record/{record.RECORD} (the Marin run, stitched)"] = record.findings()
     except AnalysisError as e: raise SystemExit(_fail(e)) from None
     for path, findings in found.items():
         count = {s: sum(f.severity == s for f in findings) for s in ("error", "warning", "info")}
@@ -399,6 +405,8 @@ def parser() -> argparse.ArgumentParser:
     pl.add_argument("--gpu", help="a device from the hardware catalogue (default: launch.device)")
     pl.add_argument("--gpus", type=_at_least_one, help="how many (default: launch.nodes x launch.gpus_per_node)")
     pl.add_argument("--mfu", type=float, help="an MFU measured on a real run (0.229 for 22.9%%): the days use it")
+    pl.add_argument("--goodput", type=float, default=1.0,
+                    help="the share of wall clock that trains (0.768 for the Marin run's record): the days divide by it")
     pl.add_argument("--tokens", type=float, help="a token budget, e.g. 18e12 (default: train.steps x the batch)")
     pl.add_argument("--precision", choices=["bf16", "fp32"], default="bf16", help="bf16 weights with fp32 master (default), or all fp32")
     pl.add_argument("--accounting", choices=["runtime", "paper", "deepspeed"], default="runtime", help="bytes per parameter as counted by")
@@ -416,7 +424,8 @@ def parser() -> argparse.ArgumentParser:
     pl.set_defaults(run=_plan)
 
     an = sub.add_parser("analyze", help="the findings of metrics logs: spikes, plateaus, divergence, router collapse ...")
-    an.add_argument("metrics", nargs="+", help="run folders, metrics.jsonl files, or CSV/W&B history exports")
+    an.add_argument("metrics", nargs="*", help="run folders, metrics.jsonl files, or CSV/W&B history exports")
+    an.add_argument("--record", action="store_true", help="also the real Marin 535B-A23B run, from the record shipped with the kit")
     an.add_argument("--params", help="the run's params file: its vocabulary size enables the leak check")
     an.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="with --params: override a key")
     an.add_argument("--map", action="append", default=[], metavar="KIT=COLUMN",

@@ -259,6 +259,7 @@ class Plan:
     candidates: list[Candidate]          # the fitting ones first, fastest first; then the rest
     precision: Precision = "bf16"
     tokens: float | None = None          # a token budget; None = train.steps x global_batch x seq_len
+    goodput: float = 1.0                 # the share of wall clock spent on steps that count (restarts, replays, stalls lose the rest)
 
     @property
     def steps(self) -> int:
@@ -289,8 +290,9 @@ class Plan:
         return flops / (c.layout.world * self.device.peak_flops * self.mfu)
 
     def days(self, c: Candidate | None = None) -> float:
+        "Wall-clock days: the steps at the steady-state step time, over the goodput."
         c = c or self.best
-        return math.nan if c is None else self.steps * self.seconds_per_step(c) / 86400
+        return math.nan if c is None else self.steps * self.seconds_per_step(c) / self.goodput / 86400
 
     def days_in_words(self, c: Candidate | None = None) -> str:
         "The days with what they assume: FLOPs over GPUs x peak x MFU (given, or the model's), and the tokens."
@@ -299,8 +301,8 @@ class Plan:
         mfu = self.mfu or c.time.mfu
         tokens = self.steps * self.params.train.global_batch * self.params.train.seq_len
         return (f"{self.days(c):.1f} days = {self.train_flops:.3g} FLOPs / ({c.layout.world} GPUs x "
-                f"{self.device.peak_flops / 1e15:.2f} PFLOP/s x {mfu:.1%} MFU, {'given' if self.mfu else 'modeled'}) "
-                f"for {tokens:.3g} tokens")
+                f"{self.device.peak_flops / 1e15:.2f} PFLOP/s x {mfu:.1%} MFU, {'given' if self.mfu else 'modeled'}"
+                + (f"; / {self.goodput:.1%} goodput" if self.goodput < 1 else "") + f") for {tokens:.3g} tokens")
 
     def table(self, n: int = 10, fitting: bool = True):
         "The first `n` candidates as a DataFrame, in GB and days."
@@ -337,7 +339,7 @@ class Plan:
         return {"model_hidden": self.params.model.hidden_size, "device": self.device.name, "gpus": self.gpus,
                 "train_flops": self.train_flops, "tokens": self.steps * self.params.train.global_batch * self.params.train.seq_len,
                 "steps": self.steps,
-                "mfu_given": self.mfu, "precision": self.precision,
+                "mfu_given": self.mfu, "goodput": self.goodput, "precision": self.precision,
                 "days": self.days() if best else None,
                 "step_time_s": self.seconds_per_step(best) if best else None,
                 "best_layout": best.row() if best else None,
@@ -359,12 +361,13 @@ def evaluate(params: Params, layout: Layout, dev: Device, precision: Precision =
 
 def plan(params: Params, gpu: str | Device, gpus: int, mfu: float | None = None, precision: Precision = "bf16",
          accounting: Accounting = "runtime", max_pp: int = 16, flash: bool = True, tokens: float | None = None,
-         **time_kw) -> Plan:
+         goodput: float = 1.0, **time_kw) -> Plan:
     "Every valid layout of `params.model` on `gpus` devices, the fitting ones ranked by modeled step time."
     dev = gpu if isinstance(gpu, Device) else device(gpu)
     m, t = params.model, params.train
     if gpus < 1: raise PlanError(f"--gpus must be at least 1, got {gpus}")
     if mfu is not None and not 0 < mfu <= 1: raise PlanError(f"mfu must be in (0, 1], got {mfu} (22.9% is 0.229)")
+    if not 0 < goodput <= 1: raise PlanError(f"goodput must be in (0, 1], got {goodput} (76.8% of wall clock is 0.768)")
     if tokens is not None and not 0 < tokens < math.inf:
         raise PlanError(f"--tokens must be a positive token budget, got {tokens:g} (e.g. 18e12)")
     out = []
@@ -383,7 +386,7 @@ def plan(params: Params, gpu: str | Device, gpus: int, mfu: float | None = None,
         raise PlanError(f"no layout splits a global batch of {t.global_batch} over {gpus} GPUs; "
                         "change train.global_batch or --gpus")
     out.sort(key=lambda c: (not c.fits, c.time.total if c.fits else c.memory.total, c.memory.total))
-    return Plan(params, dev, gpus, mfu, out, precision, tokens)
+    return Plan(params, dev, gpus, mfu, out, precision, tokens, goodput)
 
 # %% ../nbs/09_parallelism.ipynb #c3fccf89
 def with_layout(params: Params, layout: Layout, dev: Device | None = None) -> Params:
@@ -416,8 +419,8 @@ PRECISION_BYTES = {"fp32": 4, "bf16": 2, "fp8": 1, "int8": 1, "int4": 0.5}
 
 def kv_bytes_per_layer(model: ModelConfig, context: int, kv_precision: str = "bf16") -> list[float]:
     "KV-cache bytes each layer holds for one sequence of `context` tokens; a sliding-window layer holds its window at most."
-    token = 2 * model.n_kv_heads * model.head_dim * PRECISION_BYTES[kv_precision]   # a key and a value per KV head
-    return [token * (context if model.is_global(i) else min(model.sliding_window, context)) for i in range(model.n_layers)]
+    token = [2 * model.kv_heads(i) * model.head_dim * PRECISION_BYTES[kv_precision] for i in range(model.n_layers)]  # a key and a value per KV head used
+    return [token[i] * (context if model.is_global(i) else min(model.sliding_window, context)) for i in range(model.n_layers)]
 
 def layer_params(model: ModelConfig) -> list[float]:
     "Parameters of each transformer layer (the embedding and head apart), from the accounting chapter's breakdown."
@@ -506,7 +509,7 @@ class InferencePlan:
             f"{self.context} tokens, on {d.name} ({_size(d.memory)}):",
             f"  weights  {_size(self.weight_bytes)} = {self.params:,} x {_plural(PRECISION_BYTES[self.precision], 'byte')}",
             f"  KV cache {_size(self.kv_bytes)} = {self.batch} x {_size(self.kv_bytes_per_sequence)} a sequence; "
-            f"{_size(self.kv_bytes_per_token)} a token (2 x {m.n_kv_heads} KV heads x {m.head_dim} x "
+            f"{_size(self.kv_bytes_per_token)} a token (2 x {m.n_kv_heads}{f' ({m.n_kv_heads_global} on global layers)' if m.n_kv_heads_global else ''} KV heads x {m.head_dim} x "
             f"{_plural(PRECISION_BYTES[self.kv_precision], 'byte')} x {m.n_layers} layers){local}",
             f"  total    {_size(self.total_bytes)}: at least {_plural(self.gpus_min, 'GPU')} at {self.util:.0%} of "
             f"{_size(d.memory)}",

@@ -207,15 +207,16 @@ def test_serving_the_535b_takes_the_published_weight_bytes_and_a_kv_cache_that_s
     m = p.model
     bf16, int4 = (inference_plan(p, "h100", weights, batch=32) for weights in ("bf16", "int4"))
     assert bf16.weight_bytes == pytest.approx(1070e9, rel=0.05) and int4.weight_bytes == pytest.approx(268e9, rel=0.05)
-    layer_token = 2 * m.n_kv_heads * m.head_dim * 2   # a key and a value per KV head, bf16
-    assert bf16.kv_bytes_per_token == m.n_layers * layer_token
+    layer_token = [2 * m.kv_heads(i) * m.head_dim * 2 for i in range(m.n_layers)]  # a key and a value per KV head used, bf16
+    assert sorted(set(layer_token)) == [2 * 6 * 128 * 2, 2 * 12 * 128 * 2]  # global layers attend with 6 of the 12 heads
+    assert bf16.kv_bytes_per_token == sum(layer_token)
     # within the window every layer holds the whole context; past it, only the global layers keep growing
-    assert inference_plan(p, "h100", context=1024).kv_bytes_per_sequence == 1024 * m.n_layers * layer_token
+    assert inference_plan(p, "h100", context=1024).kv_bytes_per_sequence == 1024 * sum(layer_token)
     n_global = sum(m.is_global(i) for i in range(m.n_layers))
     assert 0 < n_global < m.n_layers
-    assert bf16.kv_bytes_per_sequence == layer_token * (n_global * 4096 + (m.n_layers - n_global) * m.sliding_window)
-    no_window = inference_plan(dataclasses.replace(m, sliding_window=0), "h100", batch=32)
-    assert no_window.kv_bytes == 32 * 4096 * m.n_layers * layer_token > bf16.kv_bytes
+    assert bf16.kv_bytes_per_sequence == sum(t * (4096 if m.is_global(i) else m.sliding_window) for i, t in enumerate(layer_token))
+    no_window = inference_plan(dataclasses.replace(m, sliding_window=0, n_kv_heads_global=0), "h100", batch=32)
+    assert no_window.kv_bytes == 32 * 4096 * m.n_layers * 2 * 12 * 128 * 2 > bf16.kv_bytes
     assert inference_plan(p, "h100", kv_precision="fp8", batch=32).kv_bytes == bf16.kv_bytes / 2
 
 
@@ -313,3 +314,19 @@ def test_the_535b_runs_days_are_one_number_with_its_assumptions_everywhere():
     report = json.loads((ROOT / "reports/cluster_launch.json").read_text())
     assert f"{report['days']:.1f}" == days.group(1) and report["gpus"] == 704
     assert f"**{days.group(1)} days**" in (ROOT / "README.md").read_text()
+
+
+def test_goodput_stretches_the_days_by_the_wall_clock_that_does_not_train():
+    p = PARAMS["marin-535b-a23b"]
+    steady, real = plan(p, "gb200", 704, mfu=0.2675), plan(p, "gb200", 704, mfu=0.2675, goodput=0.8)
+    assert real.days() == pytest.approx(steady.days() / 0.8) and real.to_json()["goodput"] == 0.8
+    assert "/ 80.0% goodput" in real.days_in_words() and "goodput" not in steady.days_in_words()
+    for bad in (0, 1.2):
+        with pytest.raises(PlanError, match=f"goodput must be in \\(0, 1\\], got {bad}"): plan(p, "gb200", 704, goodput=bad)
+
+
+def test_the_535b_global_layers_keep_6_kv_heads_in_the_cache():
+    m = PARAMS["marin-535b-a23b"].model
+    per_layer = kv_bytes_per_layer(m, 4096)
+    glob, local = [i for i in range(m.n_layers) if m.is_global(i)], [i for i in range(m.n_layers) if not m.is_global(i)]
+    assert {per_layer[i] for i in glob} == {2 * 6 * 128 * 2 * 4096} and {per_layer[i] for i in local} == {2 * 12 * 128 * 2 * 2048}
