@@ -129,7 +129,7 @@ def reproduce(run: ReferenceRun, convention: FlopsConvention | None = None, peak
 
 MARIN_535B = ModelConfig(vocab_size=128256, hidden_size=6144, n_layers=48, n_heads=48, n_kv_heads=12, head_dim=128,
                          max_seq_len=4096, n_experts=384, top_k=8, expert_ffn=3072, n_shared_experts=2, shared_ffn=3072,
-                         latent_dim=3072, sliding_window=2048, global_every=4)
+                         latent_dim=3072, sliding_window=2048, global_every=4, n_kv_heads_global=6)
 LLAMA3_8B = ModelConfig(vocab_size=128256, hidden_size=4096, n_layers=32, n_heads=32, n_kv_heads=8, head_dim=128,
                         max_seq_len=8192, dense_ffn=14336, rope_theta=500000.0)
 

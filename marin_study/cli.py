@@ -180,8 +180,8 @@ def _analyze(args) -> None:
         except ValueError as e: raise AnalysisError(f"--map {e}") from None
         found = {path: diagnose(load_curves(path, mapping), vocab) for path in args.metrics}
         if args.record:
-            from marin_study import record
-            found[f"record/{record.RECORD} (the Marin run, stitched)"] = record.findings()
+            from marin_study.record import RECORD, findings
+            found[f"record/{RECORD} (the Marin run, stitched)"] = findings()
     except AnalysisError as e: raise SystemExit(_fail(e)) from None
     for path, findings in found.items():
         count = {s: sum(f.severity == s for f in findings) for s in ("error", "warning", "info")}

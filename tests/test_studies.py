@@ -183,4 +183,10 @@ def test_eval_report_declares_its_parameters():
 
 def test_loss_report_declares_its_parameters():
     assert set(study_parameters(ROOT / "nbs/studies/loss_report.ipynb")) == {
-        "metrics", "reference", "params_path", "target_tokens", "findings_json", "evals", "run_cards"}
+        "metrics", "reference", "params_path", "target_tokens", "findings_json", "evals", "run_cards", "record_name",
+        "record_params"}
+
+
+def test_marin_record_study_declares_its_parameters():
+    assert set(study_parameters(ROOT / "nbs/studies/marin_record.ipynb")) == {
+        "record_name", "params_path", "gpus", "backtest_fraction", "findings_json"}
