@@ -419,7 +419,8 @@ PRECISION_BYTES = {"fp32": 4, "bf16": 2, "fp8": 1, "int8": 1, "int4": 0.5}
 
 def kv_bytes_per_layer(model: ModelConfig, context: int, kv_precision: str = "bf16") -> list[float]:
     "KV-cache bytes each layer holds for one sequence of `context` tokens; a sliding-window layer holds its window at most."
-    token = [2 * model.kv_heads(i) * model.head_dim * PRECISION_BYTES[kv_precision] for i in range(model.n_layers)]  # a key and a value per KV head used
+    # a key and a value per KV head the layer attends with
+    token = [2 * model.kv_heads(i) * model.head_dim * PRECISION_BYTES[kv_precision] for i in range(model.n_layers)]
     return [token[i] * (context if model.is_global(i) else min(model.sliding_window, context)) for i in range(model.n_layers)]
 
 def layer_params(model: ModelConfig) -> list[float]:
