@@ -9,7 +9,7 @@ import pytest
 
 from conftest import ROOT, run
 from marin_study import record as rec
-from marin_study.analysis import compare, diagnose, fit_scaling_law
+from marin_study.analysis import compare, diagnose, fit_scaling_law, load_curves
 from marin_study.config import load_params
 from marin_study.widgets import explorer
 
@@ -86,7 +86,6 @@ def test_the_record_reads_as_the_kit_reads_any_run(curves, tmp_path):
     metrics = tmp_path / "metrics.jsonl"
     kit = rec.metrics()
     metrics.write_text("".join(json.dumps({k: v for k, v in row.items() if v == v}) + "\n" for row in kit.to_dict("records")))
-    from marin_study.analysis import load_curves
     again = load_curves(metrics, run=rec.RECORD)
     assert again["step"].tolist() == curves["step"].tolist()
     assert np.allclose(again["loss"].fillna(-1), curves["loss"].fillna(-1))
