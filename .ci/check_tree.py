@@ -25,6 +25,8 @@ NOT_BIT_REPRODUCIBLE = {
     "reports/train_tiny_run_card.json": "a copy of the run's run card, with its wall times, machine and git state",
     "runs/report/loss_report.ipynb": "papermill timings; it plots the throughput curve",
     "reports/loss_report.html": "rendered from that executed notebook",
+    "runs/record/marin_record.ipynb": "papermill records each cell's start and end time",
+    "reports/marin_record.html": "rendered from that executed notebook",
     "runs/launch/cluster_launch.ipynb": "papermill records each cell's start and end time",
     "reports/cluster_launch.html": "rendered from that executed notebook",
     "runs/tiny/export": "the exported weights of that run (and its run folder's path)",
