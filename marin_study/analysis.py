@@ -363,23 +363,6 @@ def _grad_spikes(df, th) -> list[Finding]:
                     "jumps call for a lower peak LR, a longer warmup or a tighter train.grad_clip")
             for i, j in _stretches(flagged)]
 
-def _slow_steps(df, th) -> list[Finding]:
-    "Stretches whose tokens per second fall below `slow_ratio` of the rolling median, past the run's first `window` rows."
-    if TOKENS_PER_SEC not in df.columns: return []
-    rate = pd.to_numeric(df[TOKENS_PER_SEC], errors="coerce")
-    logged = rate.dropna().iloc[th.window:]   # every start is slow (compile, warm caches): judged from then on
-    if len(logged) < th.window: return []
-    baseline = logged.rolling(th.window, center=True, min_periods=5).median()
-    flagged = (logged < th.slow_ratio * baseline).to_numpy()
-    steps = df.loc[logged.index, "step"].to_numpy()
-    return [Finding("slow_steps", int(steps[i]), int(steps[j]), "info",
-                    {"tokens_per_sec": float(logged.iloc[i:j + 1].min()), "baseline": float(baseline.iloc[i]),
-                     "ratio": float(logged.iloc[i:j + 1].min() / baseline.iloc[i])},
-                    "throughput fell here: a restart (compile, loader warm-up), a save that blocks the step, or a slow "
-                    "node; it costs wall clock (goodput), not loss; frequent ones call for asynchronous checkpoints or "
-                    "finding the slow node")
-            for i, j in _stretches(flagged, gap=0)]
-
 def _skipped_mask(df) -> np.ndarray:
     "Which rows are skipped updates: the `skipped` flag, or where `bad_steps` (a running count or 0/1 flags) rises."
     mask = df["skipped"].eq(True).to_numpy() if "skipped" in df.columns else np.zeros(len(df), bool)
@@ -403,6 +386,24 @@ def _skipped_steps(df, th) -> list[Finding]:
                     {"skipped": len(steps), "steps": _step_ranges(steps), **({"first_reason": reason} if reason else {})},
                     "the trainer's guard rejected these updates: look at the batches at these steps, the gradient norm "
                     "before them and the LR; many skips in a row stop the run (train.max_bad_steps)")]
+
+# %% ../nbs/08_analysis.ipynb #dc4ee46f
+def _slow_steps(df, th) -> list[Finding]:
+    "Stretches whose tokens per second fall below `slow_ratio` of the rolling median, past the run's first `window` rows."
+    if TOKENS_PER_SEC not in df.columns: return []
+    rate = pd.to_numeric(df[TOKENS_PER_SEC], errors="coerce")
+    logged = rate.dropna().iloc[th.window:]   # every start is slow (compile, warm caches): judged from then on
+    if len(logged) < th.window: return []
+    baseline = logged.rolling(th.window, center=True, min_periods=5).median()
+    flagged = (logged < th.slow_ratio * baseline).to_numpy()
+    steps = df.loc[logged.index, "step"].to_numpy()
+    return [Finding("slow_steps", int(steps[i]), int(steps[j]), "info",
+                    {"tokens_per_sec": float(logged.iloc[i:j + 1].min()), "baseline": float(baseline.iloc[i]),
+                     "ratio": float(logged.iloc[i:j + 1].min() / baseline.iloc[i])},
+                    "throughput fell here: a restart (compile, loader warm-up), a save that blocks the step, or a slow "
+                    "node; it costs wall clock (goodput), not loss; frequent ones call for asynchronous checkpoints or "
+                    "finding the slow node")
+            for i, j in _stretches(flagged, gap=0)]
 
 # %% ../nbs/08_analysis.ipynb #c3d4e5f6
 def _layer_loads(df) -> dict:

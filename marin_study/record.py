@@ -51,7 +51,6 @@ def verify(folder: str | os.PathLike | None = None) -> dict:
     if unlisted: raise RecordError(f"{folder}: {', '.join(unlisted)} not in MANIFEST.json; list each file with its source and SHA-256, or remove it")
     return manifest
 
-# %% ../nbs/08c_record.ipynb #72fe9176
 def read_table(name: str, folder: str | os.PathLike | None = None) -> pd.DataFrame:
     "One verified table of the record: a series (`train`, `eval`, `router`: run, step, metric, value) or `lineage`, `incidents`, `mixture`, `mixture_phases`."
     folder = Path(folder or record_dir())
@@ -112,6 +111,7 @@ def phase_of(steps, phases: pd.DataFrame) -> np.ndarray:
     starts = np.sort(phases["start_step"].unique())
     return np.searchsorted(starts, np.asarray(steps), side="right") - 1
 
+# %% ../nbs/08c_record.ipynb #c5e76cc8
 def metrics(folder: str | os.PathLike | None = None, tokens_per_step: int | None = None) -> pd.DataFrame:
     "The stitched record as a table of the kit's metrics keys, one row per step (NaN where a series has no value)."
     folder = Path(folder or record_dir())

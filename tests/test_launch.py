@@ -122,7 +122,8 @@ def test_a_three_task_papermill_array_and_its_summary(slurm, tmp_path):
 def test_the_launch_study_shows_plan_script_days_and_cost_and_submits_nothing(project_copy):
     from marin_study.studies import remote_references, study_parameters
     assert set(study_parameters(ROOT / "nbs/studies/cluster_launch.ipynb")) == {
-        "params_path", "overrides", "gpu", "gpus", "mfu", "gpu_hour_usd", "run_dir", "launcher", "submit", "summary_json"}
+        "params_path", "overrides", "gpu", "gpus", "mfu", "goodput", "gpu_hour_usd", "run_dir", "launcher", "submit",
+        "summary_json"}
     assert "Running stage 'launch'" in run(["dvc", "repro", "launch"], cwd=project_copy).stdout
     summary = json.loads((project_copy / "reports/cluster_launch.json").read_text())
     assert 60 <= summary["days"] <= 90 and summary["fits"] and summary["gpus"] == 704
