@@ -6,7 +6,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import sys
+import time
 from pathlib import Path
 
 import yaml
@@ -102,9 +104,16 @@ def _data_check(args) -> None:
     data_check(load_params(args.params, args.set))
 
 # %% ../nbs/90_cli.ipynb #f6fe2de0
-def _fail(error: Exception | str) -> int:
-    # under a launcher every process meets the same error: rank 0 prints it once, as the trainer's `say` does
-    if int(os.environ.get("RANK", 0)) == 0: print(f"marin-study: error: {error}", file=sys.stderr)
+def _fail(error: Exception | str, grace_s: float = 30) -> int:
+    "Say `error` once and give the status of an error (2). Under a launcher every process meets it: rank 0 says it."
+    rank = int(os.environ.get("RANK", 0))
+    if rank > 0:
+        # torchrun stops every worker the moment one exits: were this rank first, rank 0 would die before saying why.
+        # So wait for that stop (by default, not through a handler a half-built trainer left); only an error that
+        # rank 0 did not meet outlives the grace, and this rank says it.
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        time.sleep(grace_s)
+    print(f"marin-study: error: {f'rank {rank}: ' if rank else ''}{error}", file=sys.stderr)
     return 2
 
 def _profile_sets(spec: str | None) -> list[str]:
