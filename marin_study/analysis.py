@@ -369,7 +369,7 @@ def _skipped_mask(df) -> np.ndarray:
     if "bad_steps" in df.columns:
         bad = pd.to_numeric(df["bad_steps"], errors="coerce").ffill().fillna(0)
         flags = set(bad.unique()) <= {0, 1} and not bad.is_monotonic_increasing
-        mask |= (bad > 0).to_numpy() if flags else (bad.diff().fillna(bad.iloc[0]) > 0).to_numpy()
+        mask = mask | ((bad > 0).to_numpy() if flags else (bad.diff().fillna(bad.iloc[0]) > 0).to_numpy())
     return mask
 
 def _step_ranges(steps) -> str:

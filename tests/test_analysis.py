@@ -293,6 +293,18 @@ def test_one_skipped_step_is_a_warning_naming_it_with_the_guards_reason():
     assert "skipped 3" in findings_table([skips])["evidence"][0]
 
 
+def test_skipped_steps_read_from_the_trainers_own_columns_the_flag_and_the_running_count(tmp_path):
+    from marin_study.trainer.metrics import MetricsLog
+    df = healthy(4)
+    skipped = df["step"].isin([100, 101, 500])
+    records = [{"step": int(r.step), "loss": float(r.loss), "bad_steps": int(n), **({"skipped": True} if s else {})}
+               for r, n, s in zip(df.itertuples(), skipped.cumsum(), skipped)]
+    log = MetricsLog(tmp_path / "metrics.jsonl")
+    for record in records: log.write(record)
+    (skips,) = [f for f in diagnose(load_curves(tmp_path / "metrics.jsonl"), VOCAB) if f.kind == "skipped_steps"]
+    assert skips.evidence == {"skipped": 3, "steps": "100-101, 500"}
+
+
 def test_router_imbalance_early_or_idle_is_a_finding_beside_collapse():
     df = routed({2: (6.0, 0.5)})
     df[moe_layer_key(0, "max_load")] = np.where(df["step"].between(10, 120), 8.0, 1.3)  # overloaded early, then recovers
