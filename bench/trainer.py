@@ -29,7 +29,7 @@ def bare_loop(params, steps: int, warmup: int) -> float:
     t = params.train
     torch.manual_seed(t.seed)
     model = Transformer(params.model)
-    optimizer = torch.optim.AdamW(param_groups(model, t.weight_decay), lr=t.lr, betas=(t.beta1, t.beta2), eps=t.eps)
+    optimizer = torch.optim.AdamW(param_groups(model, t), betas=(t.beta1, t.beta2), eps=t.eps)
     scheduler = make_scheduler(optimizer, t)
     accumulation = t.global_batch // t.micro_batch
     batches = iter(make_loader(params))

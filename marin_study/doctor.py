@@ -194,8 +194,8 @@ def check_all_reduce(megabytes: float | None = None, timeout: float = 120) -> Ch
 
 # %% ../nbs/14_doctor.ipynb #e6697c23
 def checkpoint_bytes(params: Params) -> float:
-    "One checkpoint as the planner predicts it: fp32 weights and Adam moments, one copy of the model over all ranks."
-    weights, _, optimizer = model_state_memory(params.model, Layout(), precision="fp32", accounting="runtime")
+    "One checkpoint as the planner predicts it: fp32 weights and optimizer state, one copy of the model over all ranks."
+    weights, _, optimizer = model_state_memory(params.model, Layout(), "fp32", "runtime", params.train.optimizer)
     return weights + optimizer
 
 def checkpoints_held(params: Params) -> int:

@@ -34,7 +34,7 @@ def layout_errors(params: Params, source: str = "params") -> list[str]:
     n = params.launch
     layout = Layout.from_params(params, n.world_size)
     return [f"{source}: {r}" for r in layout_refusals(params.model, layout, params.train.global_batch, n.world_size,
-                                                       trainer=True)]
+                                                       trainer=True, optimizer=params.train.optimizer)]
 
 def slurm_partitions(timeout: float = 30) -> list[str] | str:
     "The cluster's partitions as `sinfo` names them ('*' marks the default), or why Slurm could not be asked."

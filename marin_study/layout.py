@@ -47,8 +47,8 @@ class Refusal(NamedTuple):
     def __str__(self) -> str: return f"{self.key}: {self.message} (fix: {self.fix})"
 
 def layout_refusals(model, layout: Layout, global_batch: int, world_size: int | None = None,
-                    trainer: bool = False) -> list[Refusal]:
-    "Why `layout` cannot run `model` (empty when it can), on `world_size` processes, and by this kit's trainer."
+                    trainer: bool = False, optimizer: str = "adamw") -> list[Refusal]:
+    "Why `layout` cannot run `model` (empty when it can), on `world_size` processes, and by this kit's trainer with `optimizer`."
     m, L, out = model, layout, []
     splits = [("tp", L.tp, "n_heads", m.n_heads), ("tp", L.tp, "n_kv_heads", m.n_kv_heads),
               ("pp", L.pp, "n_layers", m.n_layers)] + ([("ep", L.ep, "n_experts", m.n_experts)] if m.n_experts else [])
@@ -79,4 +79,10 @@ def layout_refusals(model, layout: Layout, global_batch: int, world_size: int | 
     if trainer and L.ep > 1 and L.zero_stage == 3:
         out.append(Refusal("parallel.zero_stage", "3 with expert parallelism: DeepSpeed's ZeRO-3 partitions only its "
                            "AutoEP layers' experts", "use ZeRO 1 or 2 with parallel.ep, or parallel.ep: 1 with ZeRO 3"))
+    if trainer and optimizer == "muon" and L.zero_stage:
+        out.append(Refusal("parallel.zero_stage", f"{L.zero_stage} with train.optimizer muon: DeepSpeed's ZeRO Muon "
+                           "orthogonalises the gradients while it reduces them and commits the momentum before the "
+                           "optimizer's step, so the step guard would judge the update's norm, not the gradient's, and "
+                           "a skipped step would still move the momentum", "use parallel.zero_stage: 0 (parallel.ep "
+                           "still splits the experts) or train.optimizer: adamw"))
     return out

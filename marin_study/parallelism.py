@@ -172,9 +172,10 @@ class Memory:
         return None
 
 def memory(model: ModelConfig, layout: Layout, seq: int, micro_batches: int, precision: Precision = "bf16",
-           accounting: Accounting = "runtime", flash: bool = True, on_gpu: bool = True, margin: float = 0.10) -> Memory:
-    "The memory breakdown of one GPU (the most loaded pipeline stage)."
-    params, grads, optimizer = model_state_memory(model, layout, precision, accounting)
+           accounting: Accounting = "runtime", flash: bool = True, on_gpu: bool = True, margin: float = 0.10,
+           train_optimizer: str = "adamw") -> Memory:
+    "The memory breakdown of one GPU (the most loaded pipeline stage), training with `train.optimizer` `train_optimizer`."
+    params, grads, optimizer = model_state_memory(model, layout, precision, accounting, train_optimizer)
     act = activation_bytes(model, layout, seq, micro_batches, flash, 2 if precision == "bf16" or on_gpu else 4, on_gpu)
     buffers = (1.5 * GB if on_gpu else 0.0) + (bucket_elements(model) * (2 if precision == "bf16" else 4)
                                                 if layout.zero_stage == 3 else 0.0)
@@ -280,7 +281,7 @@ class Plan:
         "The fastest fitting candidate that this kit's trainer runs (no tensor or pipeline parallelism)."
         t, world = self.params.train, lambda c: c.layout.world
         return next((c for c in self.candidates if c.fits and not layout_refusals(
-            self.params.model, c.layout, t.global_batch, world(c), trainer=True)), None)
+            self.params.model, c.layout, t.global_batch, world(c), trainer=True, optimizer=t.optimizer)), None)
 
     def seconds_per_step(self, c: Candidate) -> float:
         "The step time of a candidate: from the given MFU when there is one, else modeled."
@@ -355,7 +356,7 @@ def evaluate(params: Params, layout: Layout, dev: Device, precision: Precision =
     "Memory and time of one layout on one device."
     t = params.train
     micro = t.global_batch // (layout.micro_batch * layout.dp)
-    mem = memory(params.model, layout, t.seq_len, micro, precision, accounting, flash)
+    mem = memory(params.model, layout, t.seq_len, micro, precision, accounting, flash, train_optimizer=t.optimizer)
     overflow = mem.overflow(dev.memory)
     return Candidate(layout, mem, step_time(params, layout, dev, precision=precision, **time_kw), overflow is None, overflow)
 

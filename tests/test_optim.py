@@ -1,3 +1,4 @@
+import copy
 import dataclasses
 import json
 import math
@@ -8,23 +9,76 @@ import torch
 from conftest import ROOT
 from marin_study.config import load_params
 from marin_study.model import Transformer
-from marin_study.trainer.optim import BadStepsError, StepGuard, param_groups
+from marin_study.trainer.optim import BadStepsError, StepGuard, make_optimizer, param_groups, peak_lr
 
 TINY = load_params(ROOT / "params/tiny.yaml").model
+TINY_TRAIN = load_params(ROOT / "params/tiny.yaml").train
 
 
+@pytest.mark.parametrize("optimizer", ["adamw", "muon"])
 @pytest.mark.parametrize("tie", [False, True])
-def test_every_parameter_in_exactly_one_group_and_no_decay_on_norms_or_embeddings(tie):
+def test_every_parameter_in_exactly_one_group_at_the_runs_two_learning_rates(tie, optimizer):
     model = Transformer(dataclasses.replace(TINY, tie_embeddings=tie))
-    decay, no_decay = param_groups(model, 0.1)
-    assert decay["weight_decay"] == 0.1 and no_decay["weight_decay"] == 0.0
-    ids = [id(p) for g in (decay, no_decay) for p in g["params"]]
+    t = dataclasses.replace(TINY_TRAIN, lr=3e-3, adam_lr=7e-4, weight_decay=0.1, optimizer=optimizer)
+    groups = {g["name"]: g for g in param_groups(model, t)}
+    assert list(groups) == (["hidden", "router", "rest"] if tie else ["hidden", "head", "router", "rest"])
+    ids = [id(p) for g in groups.values() for p in g["params"]]
     assert sorted(ids) == sorted(id(p) for p in model.parameters())
     names = {id(p): n for n, p in model.named_parameters()}
-    assert all(names[id(p)].endswith("weight") and (p.dim() == 1 or names[id(p)] == "embed.weight") for p in no_decay["params"])
-    assert any(names[id(p)].endswith("gate_up_EDF") for p in decay["params"])
+    def named(group): return [names[id(p)] for p in groups[group]["params"]]
+    assert all(n.endswith("router.weight") for n in named("router")) and len(named("router")) == TINY.n_layers
+    assert all(n.endswith("weight") and (model.get_parameter(n).dim() == 1 or n == "embed.weight")
+               for n in named("rest"))
+    assert any(n.endswith("gate_up_EDF") for n in named("hidden"))
+    assert any(n.endswith("qkv.weight") for n in named("hidden"))
+    assert [(g["lr"], peak_lr(g, t), g["weight_decay"]) for g in groups.values()] == \
+        [(3e-3, 3e-3, 0.1)] * (1 if tie else 2) + [(7e-4, 7e-4, 0.1), (7e-4, 7e-4, 0.0)]
+    assert [g["use_muon"] for g in groups.values()] == [optimizer == "muon"] + [False] * (len(groups) - 1)
+    assert all(p.is_expert_group == (p.dim() == 3) for p in groups["hidden"]["params"])
     assert not any("balance_bias" in n for n in names.values())
-    torch.optim.AdamW([decay, no_decay], lr=1e-3)  # the groups are valid AdamW groups
+    torch.optim.AdamW(list(groups.values()))  # the groups are valid AdamW groups
+
+
+def muon_layer(clip: float = 0.0):
+    torch.manual_seed(0)
+    layer = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Linear(16, 16))
+    t = dataclasses.replace(TINY_TRAIN, optimizer="muon", grad_clip=clip)
+    return layer, make_optimizer(param_groups(layer, t), StepGuard(warmup=10), t)
+
+
+def muon_step(layer, opt, loss: float = 1.0, scale: float = 1.0) -> None:
+    opt.zero_grad()
+    opt.begin(loss)
+    (scale * layer(torch.ones(4, 8)).square().sum()).backward()
+    opt.step()
+    opt.end()
+
+
+def test_muon_skips_a_bad_step_whole_clips_only_adamw_and_continues_bit_exact_from_its_state():
+    layer, opt = muon_layer()
+    muon_step(layer, opt)
+    before = copy.deepcopy((layer.state_dict(), opt.state_dict()))
+    muon_step(layer, opt, loss=float("nan"))  # skipped: weights, momentum and Adam's moments as they were
+    assert all(torch.equal(a, b) for a, b in zip(layer.state_dict().values(), before[0].values()))
+    assert all(torch.equal(a, b) for s, t in zip(opt.state_dict()["state"].values(), before[1]["state"].values())
+               for a, b in zip(s.values(), t.values()) if torch.is_tensor(a))
+    copy_layer, copy_opt = muon_layer()
+    copy_layer.load_state_dict(layer.state_dict()); copy_opt.load_state_dict(copy.deepcopy(opt.state_dict()))  # as from disk
+    muon_step(layer, opt); muon_step(copy_layer, copy_opt)
+    assert all(torch.equal(a, b) for a, b in zip(layer.state_dict().values(), copy_layer.state_dict().values()))
+    # a resume takes each group's peak from the params it resumes with, not from the checkpoint's copy of the group
+    faster = dataclasses.replace(TINY_TRAIN, optimizer="muon", lr=0.5, adam_lr=0.25)
+    assert [peak_lr(g, faster) for g in copy_opt.param_groups] == [0.5, 0.25]
+    # clipping scales every group's gradient, Muon's before it enters the momentum
+    clipped, free = muon_layer(clip=1e-3), muon_layer(clip=0.0)
+    muon_step(*clipped); muon_step(*free)
+    norm = clipped[1].decision[0]
+    assert norm > 1e-3
+    momentum = [(clipped[1].state[p]["momentum_buffer"], free[1].state[q]["momentum_buffer"])
+                for p, q in zip(clipped[1].param_groups[0]["params"], free[1].param_groups[0]["params"])]
+    assert all(torch.allclose(a, b * 1e-3 / (norm + 1e-6)) for a, b in momentum)
+    for name, p in clipped[0].named_parameters():
+        if p.dim() == 1: assert torch.allclose(p.grad, free[0].get_parameter(name).grad * 1e-3 / (norm + 1e-6)), name
 
 
 def test_guard_accepts_noise_and_rejects_spikes_and_nans():

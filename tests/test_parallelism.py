@@ -330,3 +330,16 @@ def test_the_535b_global_layers_keep_6_kv_heads_in_the_cache():
     per_layer = kv_bytes_per_layer(m, 4096)
     glob, local = [i for i in range(m.n_layers) if m.is_global(i)], [i for i in range(m.n_layers) if not m.is_global(i)]
     assert {per_layer[i] for i in glob} == {2 * 6 * 128 * 2 * 4096} and {per_layer[i] for i in local} == {2 * 12 * 128 * 2 * 2048}
+
+
+@pytest.mark.parametrize("zero", [0, 1, 3])
+def test_the_planner_counts_muons_one_momentum_for_the_hidden_matrices(zero):
+    from marin_study.trainer.deepspeed import hidden_params
+    hero = PARAMS["marin-535b-a23b"]
+    layout = Layout(ep=64, dp=704, zero_stage=zero, recompute="full")
+    muon = dataclasses.replace(hero, train=dataclasses.replace(hero.train, optimizer="muon"))
+    adam_plan, muon_plan = evaluate(hero, layout, HARDWARE["h100"]), evaluate(muon, layout, HARDWARE["h100"])
+    dense, expert = hidden_params(hero.model)
+    sharded = (dense / 704 + expert / 64 / (704 // 64)) if zero else dense + expert / 64
+    assert adam_plan.memory.optimizer - muon_plan.memory.optimizer == pytest.approx(4 * sharded)
+    assert (adam_plan.memory.params, adam_plan.memory.grads) == (muon_plan.memory.params, muon_plan.memory.grads)

@@ -220,8 +220,20 @@ def test_trainer_benchmark_runs_and_prints_its_ratio(params_file):
     assert float(result.stdout.strip().splitlines()[-1].removeprefix("ratio: ")) > 0
 
 
+def test_learning_benchmark_finds_tokens_to_a_target_for_each_arm_and_prints_their_ratio(params_file):
+    result = run([sys.executable, str(ROOT / "bench/learning.py"), "--params", str(params_file), "--seeds", "1",
+                  "--eval-every", "4"])
+    lines = result.stdout.strip().splitlines()
+    assert [line.split(" seed ")[0] for line in lines[:2]] == ["adamw", "muon"], lines
+    target = float(lines[2].removeprefix("target: ").split()[0])
+    assert target == float(lines[0].split("final held-out ")[1].split()[0])  # the first arm's final, one seed
+    assert lines[3].startswith("adamw: 8,192 tokens")  # it reaches its own final at its end: 8 steps x 8 x 128 tokens
+    assert float(lines[-1].removeprefix("ratio: ")) <= 1  # Muon reaches AdamW's final held-out loss, no later
+
+
 @pytest.mark.parametrize("settings, says", [(["parallel.pp=2"], "marin-study plan models them"),
-                                            (["parallel.ep=2", "parallel.zero_stage=3"], "AutoEP")])
+                                            (["parallel.ep=2", "parallel.zero_stage=3"], "AutoEP"),
+                                            (["train.optimizer=muon", "parallel.zero_stage=1"], "use parallel.zero_stage: 0")])
 def test_parallelism_the_trainer_does_not_run_is_refused_not_ignored(settings, says, params_file, tmp_path):
     env = {**os.environ, "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2",
            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}  # rank 0 of 2: refused before any rendezvous
@@ -386,3 +398,20 @@ def test_train_init_from_starts_a_new_run_from_the_weights_and_resume_wins(refer
     assert records[0]["loss"] < (losses(source)[0] + losses(source)[-1]) / 2  # trained weights on the same first batch
     again = run(command("alone", params_file, run_dir, f"train.init_from={source}", until=4))
     assert "resumed from" in again.stderr and [r["step"] for r in MetricsLog(run_dir / "metrics.jsonl").read()] == [1, 2, 3, 4]
+
+
+def test_muon_learns_splits_experts_resumes_bit_exact_and_holds_the_memory_the_planner_predicts(params_file, tmp_path):
+    muon = ("train.optimizer=muon", "train.adam_lr=1e-3", "train.trackers=[]")
+    straight, ep2, resumed = tmp_path / "straight", tmp_path / "ep2", tmp_path / "resumed"
+    run(command("torchrun", params_file, straight, *muon))
+    assert losses(straight)[-1] < losses(straight)[0] - 0.5
+    run(command("torchrun", params_file, ep2, *muon, "parallel.ep=2"))
+    assert losses(ep2) == pytest.approx(losses(straight), rel=1e-5)  # each expert orthogonalised on its own rank
+    run(command("torchrun", params_file, resumed, *muon, until=4))
+    result = run(command("torchrun", params_file, resumed, *muon))
+    assert "resumed from" in result.stderr and "step-00000004" in result.stderr
+    check_same_run(resumed, straight, "muon resumed at step 4")  # Muon's momentum and AdamW's moments come back whole
+    report = json.loads((straight / "memory.json").read_text())
+    for held in report["ranks"]:  # one momentum per hidden matrix: 4 bytes less per parameter than Adam's two moments
+        for key in ("params", "grads", "optimizer"):
+            assert held[key] == pytest.approx(report["predicted"][key], rel=0.01), (key, held, report["predicted"])

@@ -182,7 +182,7 @@ class MemoryCensus(Callback):
         self.reported = True
         if trainer.rank == 0:
             layout = Layout.from_params(trainer.params, trainer.world_size)
-            predicted = model_state_memory(trainer.params.model, layout, precision="fp32", accounting="runtime")
+            predicted = model_state_memory(trainer.params.model, layout, "fp32", "runtime", trainer.params.train.optimizer)
             report = {"step": trainer.step, "layout": str(layout), "precision": "fp32", "accounting": "runtime",
                       "predicted": dict(zip(("params", "grads", "optimizer"), predicted)), "ranks": held}
             atomic_write(trainer.run_dir / "memory.json", json.dumps(report, indent=1) + "\n")

@@ -39,13 +39,13 @@ __all__ = ['ROUTED_EXPERTS', 'check_same_experiment', 'newest_valid', 'rng_state
 
 # %% ../../nbs/07h_checkpointer.ipynb #7a6fe700
 def check_same_experiment(run_dir: str | os.PathLike, params: Params) -> None:
-    "Refuse to resume `run_dir` if its params.yaml trains another model or data, batch, sequence length or seed."
+    "Refuse to resume `run_dir` if its params.yaml trains another model or data, batch, sequence length, seed or optimizer."
     run_dir = Path(run_dir)
     saved = run_dir / "params.yaml"
     if not saved.exists(): return
     before, now = load_params(saved).to_dict(), params.to_dict()
     fixed = [("model", k) for k in now["model"]] + [("data", k) for k in now["data"] if k != "num_workers"]
-    fixed += [("train", k) for k in ("global_batch", "seq_len", "seed")]
+    fixed += [("train", k) for k in ("global_batch", "seq_len", "seed", "optimizer")]
     changed = [f"{s}.{k}" for s, k in fixed if before[s].get(k) != now[s][k]]
     if changed:
         raise TrainError(f"{run_dir} holds a run with different {', '.join(changed)}; resuming it would "
@@ -216,10 +216,10 @@ def record_params(run_dir: str | os.PathLike, params: Params, step: int) -> Path
     return kept
 
 def checkpoint_size(params: Params) -> float:
-    "One checkpoint's bytes as the planner predicts them (`marin-study doctor` counts the same): fp32 weights, Adam moments."
+    "One checkpoint's bytes as the planner predicts them (`marin-study doctor` counts the same): fp32 weights, optimizer state."
     from marin_study.layout import Layout
     from marin_study.trainer.deepspeed import model_state_memory
-    weights, _, optimizer = model_state_memory(params.model, Layout(), precision="fp32", accounting="runtime")
+    weights, _, optimizer = model_state_memory(params.model, Layout(), "fp32", "runtime", params.train.optimizer)
     return weights + optimizer
 
 @contextmanager
@@ -286,7 +286,12 @@ class Checkpointer:
                                                     for g in engine.optimizer.param_groups])
                 self.barrier()
             with safe_loading():
-                loaded, _ = engine.load_checkpoint(str(load_dir), tag="deepspeed", load_lr_scheduler_states=False)
+                try: loaded, _ = engine.load_checkpoint(str(load_dir), tag="deepspeed", load_lr_scheduler_states=False)
+                except ValueError as e:  # torch's own check: the saved optimizer has other parameter groups
+                    if "parameter group" not in str(e): raise
+                    raise TrainError(f"{folder} holds an optimizer with other parameter groups (saved before the "
+                                     "kit split them as the 535B run: hidden, head, router, rest); start a new run "
+                                     f"from its weights: --run-dir NEW_DIR --set train.init_from={folder}") from None
                 if loaded is None: raise TrainError(f"DeepSpeed could not load the checkpoint in {load_dir}")
                 if resume.convert: restore_buffers(engine.module, folder)
                 elif self.params.parallel.ep > 1: restore_expert_share(engine.module, folder)

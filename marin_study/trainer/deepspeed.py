@@ -12,7 +12,8 @@ from ..layout import Layout
 
 # %% auto #0
 __all__ = ['Precision', 'Accounting', 'SUB_GROUP_SIZE', 'BUCKET_ELEMENTS', 'shard_params', 'largest_layer_params',
-           'state_bytes_per_param', 'model_state_memory', 'bucket_elements', 'deepspeed_config', 'accelerate_config']
+           'hidden_params', 'state_bytes_per_param', 'model_state_memory', 'bucket_elements', 'deepspeed_config',
+           'accelerate_config']
 
 # %% ../../nbs/07d_deepspeed.ipynb #9da30a6d
 Precision = Literal["bf16", "fp32"]
@@ -39,10 +40,10 @@ def largest_layer_params(model: ModelConfig) -> int:
                   h * model.latent_dim, 2 * h * model.shared_ffn]
     return max(sizes)
 
-def _decay_fraction(model: ModelConfig) -> float:
-    "Share of parameters in the trainer's weight-decay group (all but norms and embeddings): its largest group."
-    rows = param_breakdown(model)
-    return 1 - (rows["norms"][0] + rows["embedding"][0]) / param_counts(model).total
+def hidden_params(model: ModelConfig) -> tuple[int, int]:
+    "(dense, routed-expert) parameters of the hidden matrices: the trainer's largest optimizer group, Muon's under muon."
+    rows = {k: v[0] for k, v in param_breakdown(model).items()}
+    return sum(rows[k] for k in ("attention", "dense_mlp", "latent_proj", "shared_experts")), rows["routed_experts"]
 
 # %% ../../nbs/07d_deepspeed.ipynb #59083478
 def state_bytes_per_param(stage: int, n: int, precision: Precision, accounting: Accounting) -> tuple[float, float, float]:
@@ -59,9 +60,9 @@ def state_bytes_per_param(stage: int, n: int, precision: Precision, accounting: 
     grads = {1: max(w, (w + 4) / n), 2: (w + 4) / n, 3: w / n}[stage]
     return (w / n if stage == 3 else w, grads, 12 / n)
 
-def model_state_memory(model: ModelConfig, layout: Layout, precision: Precision = "bf16",
-                       accounting: Accounting = "runtime") -> tuple[float, float, float]:
-    "(weights, gradients, optimizer) bytes on one GPU of the most loaded stage."
+def model_state_memory(model: ModelConfig, layout: Layout, precision: Precision = "bf16", accounting: Accounting = "runtime",
+                       train_optimizer: str = "adamw") -> tuple[float, float, float]:
+    "(weights, gradients, optimizer) bytes on one GPU of the most loaded stage, training with `train.optimizer` `train_optimizer`."
     dense, expert = shard_params(model, layout)
     out = [0.0, 0.0, 0.0]
     for psi, n in ((dense, layout.dp), (expert, layout.expert_dp)):
@@ -69,7 +70,10 @@ def model_state_memory(model: ModelConfig, layout: Layout, precision: Precision 
     if layout.zero_stage == 3 and accounting == "deepspeed": out[0] += 4 * largest_layer_params(model)
     if layout.zero_stage == 3 and accounting == "runtime":  # the fp32 gradient of the largest optimizer sub-group
         rank = dense / layout.dp + expert / layout.expert_dp
-        out[1] += 4 * min(SUB_GROUP_SIZE, rank * _decay_fraction(model))
+        out[1] += 4 * min(SUB_GROUP_SIZE, rank * sum(hidden_params(model)) / param_counts(model).total)
+    if train_optimizer == "muon":  # the hidden matrices keep one fp32 momentum, not Adam's two moments
+        hidden_dense = hidden_params(model)[0] / (layout.pp * layout.tp)
+        for psi, n in ((hidden_dense, layout.dp), (expert, layout.expert_dp)): out[2] -= 4 * psi / (n if layout.zero_stage else 1)
     return tuple(out)
 
 def bucket_elements(model: ModelConfig) -> int:

@@ -3,6 +3,7 @@
 # %% ../../nbs/07c_optim.ipynb #2dc97a3b
 from __future__ import annotations
 
+import functools
 import math
 from collections import deque
 
@@ -10,19 +11,40 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from ..config import TrainConfig
+
 # %% auto #0
-__all__ = ['param_groups', 'BadStepsError', 'StepGuard', 'grad_norm', 'GuardedAdamW']
+__all__ = ['ROLES', 'peak_lr', 'param_groups', 'BadStepsError', 'StepGuard', 'grad_norm', 'GuardedStep', 'GuardedAdamW',
+           'guarded_muon', 'make_optimizer']
 
 # %% ../../nbs/07c_optim.ipynb #07b6b944
-def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
-    "AdamW groups: 'decay' for matrices of linear layers and experts, 'no_decay' for norms, biases and embeddings."
+ROLES = {"hidden": True, "head": True, "router": True, "rest": False}  # role: weight-decayed
+
+def peak_lr(group: dict, t: TrainConfig) -> float:
+    "A group's peak learning rate, by its role and from the params (a checkpoint's copy of the group may be older)."
+    return t.lr if group["role"] in ("hidden", "head") else t.adam_lr or t.lr
+
+def param_groups(model: nn.Module, t: TrainConfig) -> list[dict]:
+    """The optimizer's groups, as the 535B run splits them. 'hidden': the matrices inside the blocks (attention,
+    routed and shared experts, latent projections), Muon's under `t.optimizer='muon'`; 'head': the output projection;
+    both at `t.lr`. 'router' (decayed) and 'rest' (norms, biases, embeddings, and so a tied head: never decayed) at
+    `t.adam_lr`. Every group but 'hidden' trains with AdamW."""
     embeddings = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
-    decay, no_decay = [], []
+    heads = {id(m.weight) for name, m in model.named_modules() if name == "head"}
+    routers = {id(m.weight) for name, m in model.named_modules() if name.endswith(".router")}
+    members = {role: [] for role in ROLES}
     for p in model.parameters():
         if not p.requires_grad: continue
-        (no_decay if p.dim() < 2 or id(p) in embeddings else decay).append(p)
-    return [{"name": "decay", "params": decay, "weight_decay": weight_decay},
-            {"name": "no_decay", "params": no_decay, "weight_decay": 0.0}]
+        i = id(p)
+        role = ("rest" if p.dim() < 2 or i in embeddings else "head" if i in heads else "router" if i in routers
+                else "hidden")
+        members[role].append(p)
+        p.use_muon = role == "hidden" and t.optimizer == "muon"  # DeepSpeed's ZeRO reads the mark on the parameter
+        p.is_expert_group = p.dim() == 3  # routed experts (E, in, out): each expert's matrix orthogonalised alone
+    groups = [{"name": role, "role": role, "params": members[role], "weight_decay": t.weight_decay if decayed else 0.0,
+               "use_muon": role == "hidden" and t.optimizer == "muon"} for role, decayed in ROLES.items() if members[role]]
+    for group in groups: group["lr"] = peak_lr(group, t)
+    return groups
 
 # %% ../../nbs/07c_optim.ipynb #bb7548c3
 class BadStepsError(RuntimeError):
@@ -88,13 +110,13 @@ def grad_norm(params, expert_group=None) -> float:
     return float(torch.linalg.vector_norm(torch.stack(norms)))
 
 # %% ../../nbs/07c_optim.ipynb #b575c254
-class GuardedAdamW(torch.optim.AdamW):
-    """AdamW that clips by the global gradient norm of the whole step and skips the update when `guard` rejects it.
-    DeepSpeed's ZeRO optimizers compute that norm over all ranks, then call `step` once per parameter group: point
-    `norm_source` at them. Without ZeRO every rank holds the full averaged gradients and the norm is taken here; under
-    expert parallelism a rank holds only its experts' (marked `allreduce = False`), summed over `expert_group`."""
-    def __init__(self, params, guard: StepGuard, grad_clip: float = 0.0, **kw):
-        super().__init__(params, **kw)
+class GuardedStep:
+    """The step gate of the trainer's optimizers: clips by the global gradient norm of the whole step and skips the
+    update when `guard` rejects it. DeepSpeed's ZeRO optimizers compute that norm over all ranks, then call `step`
+    once per parameter group: point `norm_source` at them. Without ZeRO every rank holds the full averaged gradients
+    and the norm is taken here; under expert parallelism a rank holds only its experts' (marked `allreduce = False`),
+    summed over `expert_group`."""
+    def _gate(self, guard: StepGuard, grad_clip: float) -> None:
         self.guard, self.grad_clip, self.norm_source, self.expert_group = guard, grad_clip, None, None
         self.loss, self.decision, self.stop = math.nan, None, None
 
@@ -133,3 +155,36 @@ class GuardedAdamW(torch.optim.AdamW):
             stop, self.stop = self.stop, None
             raise stop
         return self.decision
+
+# %% ../../nbs/07c_optim.ipynb #474e9877
+class GuardedAdamW(GuardedStep, torch.optim.AdamW):
+    "AdamW behind the step gate."
+    def __init__(self, params, guard: StepGuard, grad_clip: float = 0.0, **kw):
+        super().__init__(params, **kw)
+        self._gate(guard, grad_clip)
+
+# %% ../../nbs/07c_optim.ipynb #9a50a61f
+@functools.cache
+def guarded_muon() -> type:
+    """`GuardedMuon`: DeepSpeed's Muon with torch's AdamW for the groups not marked `use_muon`, behind the step gate.
+    Made on first use, so that only a Muon run imports DeepSpeed here (`export` and `generate` reach this module)."""
+    from deepspeed.runtime.zero.muon.muon_optimizer import MuonWithAuxAdam
+
+    class GuardedMuon(GuardedStep, MuonWithAuxAdam):
+        def __init__(self, groups, guard: StepGuard, grad_clip: float = 0.0, momentum: float = 0.95, **adamw):
+            for group in groups:  # in the groups, not the AdamW defaults: DeepSpeed fills its own betas and eps first
+                # "standard": the reference quintic iteration in bf16; DeepSpeed's default "gram" runs in fp16
+                if group["use_muon"]: group.update(momentum=momentum, ns_method="standard")
+                else: group.update(adamw)
+            super().__init__(groups, adam_optimizer=torch.optim.AdamW)
+            self._gate(guard, grad_clip)
+
+        def step(self, closure=None):
+            with torch.compiler.set_stance("force_eager"): return super().step(closure)
+    return GuardedMuon
+
+def make_optimizer(groups: list[dict], guard: StepGuard, t: TrainConfig) -> GuardedStep:
+    "The optimizer `t.optimizer` names, over `param_groups`' groups (or DeepSpeed's split of them for experts)."
+    adamw = dict(betas=(t.beta1, t.beta2), eps=t.eps)
+    if t.optimizer == "muon": return guarded_muon()(groups, guard, t.grad_clip, t.muon_momentum, **adamw)
+    return GuardedAdamW(groups, guard, t.grad_clip, lr=t.lr, **adamw)

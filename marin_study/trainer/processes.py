@@ -62,7 +62,8 @@ def join_processes(params: Params) -> tuple[int, int]:
     die_with_launcher()
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     layout = Layout.from_params(params, world_size)
-    if refusals := layout_refusals(params.model, layout, params.train.global_batch, world_size, trainer=True):
+    if refusals := layout_refusals(params.model, layout, params.train.global_batch, world_size, trainer=True,
+                                   optimizer=params.train.optimizer):
         raise TrainError(f"cannot train on {world_size} processes: " + "; ".join(map(str, refusals)))
     if not torch.cuda.is_available():  # every launcher sets its own default; the machine's cores are shared out here
         local = os.environ.get("LOCAL_WORLD_SIZE") or os.environ.get("LOCAL_SIZE") or 1  # torchrun, deepspeed

@@ -15,9 +15,10 @@ __all__ = ['warmup_steps', 'lr_at', 'make_scheduler']
 # %% ../../nbs/07a_schedule.ipynb #cb33e0bb
 def warmup_steps(cfg: TrainConfig) -> int: return round(cfg.warmup_fraction * cfg.steps)
 
-def lr_at(step: int, cfg: TrainConfig) -> float:
-    "The learning rate of optimizer step `step` (0-based)."
-    peak, floor, warmup = cfg.lr, cfg.lr * cfg.min_lr_ratio, warmup_steps(cfg)
+def lr_at(step: int, cfg: TrainConfig, peak: float | None = None) -> float:
+    "The learning rate of optimizer step `step` (0-based), for a group whose peak is `peak` (default: `cfg.lr`)."
+    peak = cfg.lr if peak is None else peak
+    floor, warmup = peak * cfg.min_lr_ratio, warmup_steps(cfg)
     if step < warmup: return peak * (step + 1) / warmup
     if cfg.schedule == "wsd":
         decay_start = max(warmup, cfg.steps - round(cfg.decay_fraction * cfg.steps))

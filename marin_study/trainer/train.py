@@ -25,7 +25,7 @@ from .evaluation import HeldOut
 from .metrics import (
     AUX_LOSS, BAD_STEPS, EVAL_LOSS, GRAD_NORM, LOGIT_Z_LOSS, LOSS, LR, MOE_BIAS_NORM, MOE_MAX_LOAD, MOE_MIN_LOAD,
     ROUTER_Z_LOSS, SKIP_REASON, SKIPPED, STEP, TOKENS, MetricsLog, Throughput, cuda_keys, gpu_in_use, router_health)
-from .optim import GuardedAdamW, StepGuard, param_groups
+from .optim import GuardedStep, StepGuard, make_optimizer, param_groups, peak_lr
 from .processes import TrainError, join_processes, lock_run_dir, make_accelerator, say, split_experts
 from .schedule import lr_at
 
@@ -33,8 +33,8 @@ from .schedule import lr_at
 __all__ = ['build_engine', 'Trainer', 'train']
 
 # %% ../../nbs/07j_train.ipynb #b66e89e9
-def build_engine(params: Params, accelerator, resuming: bool = False) -> tuple[object, GuardedAdamW, StepGuard]:
-    """The seeded model (or `train.init_from`'s weights, unless `resuming`) and its guarded AdamW, handed to DeepSpeed:
+def build_engine(params: Params, accelerator, resuming: bool = False) -> tuple[object, GuardedStep, StepGuard]:
+    """The seeded model (or `train.init_from`'s weights, unless `resuming`) and its guarded optimizer, handed to DeepSpeed:
     (engine, optimizer, guard)."""
     t, parallel = params.train, params.parallel
     torch.manual_seed(t.seed)
@@ -43,10 +43,10 @@ def build_engine(params: Params, accelerator, resuming: bool = False) -> tuple[o
     if parallel.ep > 1:  # every rank builds the whole seeded model, then keeps its share: the same init as ep = 1
         from deepspeed.moe.utils import split_params_into_different_moe_groups_for_optimizer
         expert_group = split_experts(model, parallel.ep)
-        groups = split_params_into_different_moe_groups_for_optimizer(param_groups(model, t.weight_decay))
-    else: groups = param_groups(model, t.weight_decay)
+        groups = split_params_into_different_moe_groups_for_optimizer(param_groups(model, t))
+    else: groups = param_groups(model, t)
     guard = StepGuard(t.spike_window, t.spike_sigmas, t.max_bad_steps, t.spike_warmup)
-    optimizer = GuardedAdamW(groups, guard, t.grad_clip, lr=lr_at(0, t), betas=(t.beta1, t.beta2), eps=t.eps)
+    optimizer = make_optimizer(groups, guard, t)
     if parallel.ep > 1: optimizer.expert_group = expert_group
     engine, _ = accelerator.prepare(model, optimizer)
     if parallel.zero_stage > 0: optimizer.norm_source = engine.optimizer
@@ -100,7 +100,7 @@ class Trainer:
     def train_step(self, micro_batches) -> dict:
         "One optimizer step over this rank's micro-batches; returns the step's metrics (identical on every rank)."
         t, accumulation = self.params.train, len(micro_batches)
-        for group in self.optimizer.param_groups: group["lr"] = lr_at(self.step, t)
+        for group in self.optimizer.param_groups: group["lr"] = lr_at(self.step, t, peak_lr(group, t))
         sums_4 = torch.zeros(4, dtype=torch.float64, device=self.device)  # ce, logit z, aux, router z
         for i, batch_BT in enumerate(micro_batches):
             batch_BT = batch_BT.to(self.device)
