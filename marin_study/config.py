@@ -348,7 +348,6 @@ class TrainConfig(Section):
     weight_decay: float = _f(0.1, ge=0)
     optimizer: Literal["adamw", "muon"] = "adamw"  # for the hidden matrices; the rest always trains with AdamW
     adam_lr: float = _f(0.0, ge=0)               # peak LR of embeddings, head, router, norms (0 = train.lr)
-    muon_momentum: float = _f(0.95, ge=0, lt=1)  # muon only: Nesterov momentum of the hidden matrices
     beta1: float = _f(0.9, ge=0, lt=1)
     beta2: float = _f(0.95, ge=0, lt=1)
     eps: float = _f(1e-8, gt=0)

@@ -171,10 +171,11 @@ def guarded_muon() -> type:
     from deepspeed.runtime.zero.muon.muon_optimizer import MuonWithAuxAdam
 
     class GuardedMuon(GuardedStep, MuonWithAuxAdam):
-        def __init__(self, groups, guard: StepGuard, grad_clip: float = 0.0, momentum: float = 0.95, **adamw):
+        def __init__(self, groups, guard: StepGuard, grad_clip: float = 0.0, **adamw):
             for group in groups:  # in the groups, not the AdamW defaults: DeepSpeed fills its own betas and eps first
-                # "standard": the reference quintic iteration in bf16; DeepSpeed's default "gram" runs in fp16
-                if group["use_muon"]: group.update(momentum=momentum, ns_method="standard")
+                # Nesterov momentum 0.95 and "standard", the reference quintic Newton-Schulz iteration in bf16
+                # (DeepSpeed's default "gram" runs in fp16)
+                if group["use_muon"]: group.update(momentum=0.95, ns_method="standard")
                 else: group.update(adamw)
             super().__init__(groups, adam_optimizer=torch.optim.AdamW)
             self._gate(guard, grad_clip)
@@ -186,5 +187,5 @@ def guarded_muon() -> type:
 def make_optimizer(groups: list[dict], guard: StepGuard, t: TrainConfig) -> GuardedStep:
     "The optimizer `t.optimizer` names, over `param_groups`' groups (or DeepSpeed's split of them for experts)."
     adamw = dict(betas=(t.beta1, t.beta2), eps=t.eps)
-    if t.optimizer == "muon": return guarded_muon()(groups, guard, t.grad_clip, t.muon_momentum, **adamw)
+    if t.optimizer == "muon": return guarded_muon()(groups, guard, t.grad_clip, **adamw)
     return GuardedAdamW(groups, guard, t.grad_clip, lr=t.lr, **adamw)
