@@ -190,6 +190,8 @@ class ModelConfig(Section):
     rope_theta: float = _f(10000.0, gt=0)
     router: Literal["sigmoid", "softmax"] = "sigmoid"   # how router logits become scores
     balance_rate: float = _f(1e-3, ge=0)  # aux-loss-free balancing: bias step per update (0 = off)
+    capacity_factor: float = _f(0.0, ge=0)  # training drops rows past cf x the mean per receiving rank (0 = dropless)
+    router_dtype: Literal["float32", "bfloat16"] = "float32"  # the router dot's precision, whatever the autocast
     aux_loss_weight: float = _f(0.0, ge=0)        # Switch/OLMoE load-balancing loss
     router_z_loss_weight: float = _f(0.0, ge=0)   # ST-MoE router z-loss
     logit_z_loss_weight: float = _f(1e-4, ge=0)   # PaLM output-logit z-loss

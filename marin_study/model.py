@@ -20,9 +20,9 @@ from .hardware import loss_chunk_rows
 # %% auto #0
 __all__ = ['HAS_GROUPED_MM', 'RESIDUAL_OUTPUTS', 'RECOMPUTE_MODES', 'RMSNorm', 'rope_tables', 'rotate', 'Rope', 'apply_rope',
            'sliding_window_mask', 'Attention', 'SwiGLU', 'grouped_mm_supported', 'looped_mm', 'Experts', 'PermuteRows',
-           'inverse_permutation', 'RouterStats', 'sum_rows', 'DispatchRows', 'CombineRows', 'expert_parallel', 'MoE',
-           'LinearCrossEntropyZ', 'ModelOutput', 'Block', 'not_counting', 'Transformer', 'use_grouped_mm',
-           'use_recompute']
+           'inverse_permutation', 'RouterStats', 'sum_rows', 'DispatchRows', 'CombineRows', 'expert_parallel',
+           'kept_per_group', 'kept_rows', 'KeepRows', 'PlaceRows', 'MoE', 'LinearCrossEntropyZ', 'ModelOutput', 'Block',
+           'not_counting', 'Transformer', 'use_grouped_mm', 'use_recompute', 'router_topk_changes']
 
 # %% ../nbs/05_model.ipynb #13a2d3a3
 class RMSNorm(nn.Module):
@@ -173,6 +173,7 @@ class RouterStats(NamedTuple):  # a NamedTuple: ZeRO-3 finds the tensors inside 
     load_E: torch.Tensor          # tokens routed to each expert in this forward
     aux_loss: torch.Tensor | None
     z_loss: torch.Tensor | None
+    dropped: torch.Tensor | None = None  # rows this rank's experts dropped past capacity; None when dropless
 
 # %% ../nbs/05_model.ipynb #d15c0a02
 def sum_rows(y_MD, unsort_M, k: int):
@@ -211,24 +212,67 @@ class CombineRows(torch.autograd.Function):
         return grad_ND.index_select(0, token_M), None, None, None
 
 # %% ../nbs/05_model.ipynb #5e1c9b22
-def expert_parallel(run_experts, x_MD, w_M, load_E, group) -> torch.Tensor:
+def expert_parallel(run_experts, x_MD, w_M, load_E, group) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Rows `x_MD` sorted by expert (`load_E` each, E experts) with their weights `w_M` through experts split over
-    `group`'s P ranks, rank r holding experts `r E/P` to `(r+1) E/P - 1`; `run_experts(x, offsets, w)` runs this
-    rank's. Same shape and order out."""
-    P = dist.get_world_size(group)
-    sent_PL = load_E.view(P, -1).contiguous()  # rows this rank sends to each rank's local experts
-    got_PL = torch.empty_like(sent_PL)          # rows each rank sends to this rank's local experts
-    dist.all_to_all_single(got_PL, sent_PL, group=group)
+    `group`'s P ranks, rank r holding experts `r E/P` to `(r+1) E/P - 1`; `run_experts(x, got_PL, w, routed)` runs
+    this rank's on the rows that arrived (`MoE.run_within_capacity`). Same shape and order out, and the rows dropped."""
+    P, r = dist.get_world_size(group), dist.get_rank(group)
+    load_PE = load_E.new_empty(P * load_E.numel())  # every rank's load: what each sends, and the group's total
+    dist.all_gather_into_tensor(load_PE, load_E.contiguous(), group=group)
+    sent_PL = load_E.view(P, -1)                   # rows this rank sends to each rank's local experts
+    got_PL = load_PE.view(P, P, -1)[:, r]          # rows each rank sends to this rank's local experts
     send, receive = sent_PL.sum(1).tolist(), got_PL.sum(1).tolist()
     x_RD = all_to_all_single_autograd(x_MD.contiguous(), receive, send, group)
     w_R = all_to_all_single_autograd(w_M.contiguous(), receive, send, group)
     local_R = torch.repeat_interleave(torch.arange(got_PL.shape[1], device=x_MD.device).repeat(P), got_PL.flatten())
     order_R = torch.argsort(local_R, stable=True)
     unsort_R = inverse_permutation(order_R)
-    y_RD = run_experts(PermuteRows.apply(x_RD, order_R, unsort_R), got_PL.sum(0).cumsum(0).to(torch.int32),
-                       PermuteRows.apply(w_R, order_R, unsort_R))
+    y_RD, dropped = run_experts(PermuteRows.apply(x_RD, order_R, unsort_R), got_PL,
+                                PermuteRows.apply(w_R, order_R, unsort_R), int(load_PE.sum()))
     y_RD = PermuteRows.apply(y_RD, unsort_R, order_R)
-    return all_to_all_single_autograd(y_RD, send, receive, group)
+    return all_to_all_single_autograd(y_RD, send, receive, group), dropped
+
+# %% ../nbs/05_model.ipynb #7c65e9da
+def kept_per_group(got_PL: torch.Tensor, capacity: int) -> torch.Tensor:
+    """Of the `got_PL[p, l]` rows source rank p sends local expert l, how many a receiving rank with room for
+    `capacity` keeps: the first `capacity` in the order they run, expert by expert, then source rank by source rank."""
+    got_LP = got_PL.T.flatten()
+    before_LP = got_LP.cumsum(0) - got_LP
+    return torch.minimum(got_LP, (capacity - before_LP).clamp(min=0)).view(got_PL.shape[1], -1).T
+
+def kept_rows(got_PL: torch.Tensor, kept_PL: torch.Tensor) -> torch.Tensor:
+    "Indices of the kept rows among rows that wait expert-major, then by source rank, then by token: each group's first."
+    got_G, kept_G = got_PL.T.flatten(), kept_PL.T.flatten()
+    group_R = torch.repeat_interleave(torch.arange(got_G.numel(), device=got_G.device), got_G)
+    position_R = torch.arange(group_R.numel(), device=got_G.device) - (got_G.cumsum(0) - got_G)[group_R]
+    return (position_R < kept_G[group_R]).nonzero().squeeze(1)
+
+class KeepRows(torch.autograd.Function):
+    "Rows `keep_K` of `x_RD`; the backward copies their gradient back in place, zero for the dropped rows."
+    @staticmethod
+    def forward(ctx, x_RD, keep_K):
+        ctx.save_for_backward(keep_K)
+        ctx.rows = x_RD.shape[0]
+        return x_RD.index_select(0, keep_K)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_K):
+        (keep_K,) = ctx.saved_tensors
+        return grad_K.new_zeros(ctx.rows, *grad_K.shape[1:]).index_copy_(0, keep_K, grad_K), None
+
+class PlaceRows(torch.autograd.Function):
+    "`KeepRows` turned around: `y_KD` in rows `keep_K` of `rows` zero rows; the backward gathers rows `keep_K`."
+    @staticmethod
+    def forward(ctx, y_KD, keep_K, rows: int):
+        ctx.save_for_backward(keep_K)
+        return y_KD.new_zeros(rows, *y_KD.shape[1:]).index_copy_(0, keep_K, y_KD)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_RD):
+        (keep_K,) = ctx.saved_tensors
+        return grad_RD.index_select(0, keep_K), None, None
 
 # %% ../nbs/05_model.ipynb #3f4bc6b1
 class MoE(nn.Module):
@@ -236,6 +280,7 @@ class MoE(nn.Module):
         super().__init__()
         self.E, self.k, self.score = cfg.n_experts, cfg.top_k, cfg.router
         self.balance_rate, self.aux_weight, self.z_weight = cfg.balance_rate, cfg.aux_loss_weight, cfg.router_z_loss_weight
+        self.capacity_factor, self.router_dtype = cfg.capacity_factor, cfg.router_dtype
         self.router = nn.Linear(cfg.hidden_size, cfg.n_experts, bias=False)
         self.register_buffer("balance_bias", torch.zeros(cfg.n_experts))  # saved with the model; always fp32
         self.register_buffer("routed_since_update", torch.zeros(cfg.n_experts, dtype=torch.long), persistent=False)
@@ -257,11 +302,25 @@ class MoE(nn.Module):
         if self.recompute: return checkpoint(self.experts, x_MD, offsets_E, w_M, use_reentrant=False)
         return self.experts(x_MD, offsets_E, w_M)
 
+    def run_within_capacity(self, x_RD, got_PL, w_R, routed: int):
+        """This rank's experts on the rows that wait for them, grouped by local expert, then by source rank (`got_PL`
+        each); in training with a capacity, only the rows within it (`kept_per_group`) run. The output (zero for a
+        dropped row) and the count dropped (None when dropless). `routed`: the group's token-expert pairs."""
+        if not (self.capacity_factor and self.training):
+            return self.run_experts(x_RD, got_PL.sum(0).cumsum(0).to(torch.int32), w_R), None
+        P, L = got_PL.shape
+        kept_PL = kept_per_group(got_PL, max(L, math.ceil(self.capacity_factor * routed / P)))
+        keep_K = kept_rows(got_PL, kept_PL)
+        y_KD = self.run_experts(KeepRows.apply(x_RD, keep_K), kept_PL.sum(0).cumsum(0).to(torch.int32),
+                                KeepRows.apply(w_R, keep_K))
+        return PlaceRows.apply(y_KD, keep_K, x_RD.shape[0]), got_PL.sum() - kept_PL.sum()
+
     def route(self, x_ND):
-        "Top-k expert ids (N, k), their combine weights (N, k), the fp32 logits and scores."
-        with torch.autocast(x_ND.device.type, enabled=False):
-            logits_NE = F.linear(x_ND.float(), self.router.weight.float())
-        scores_NE = logits_NE.sigmoid() if self.score == "sigmoid" else logits_NE.softmax(dim=-1)
+        "Top-k expert ids (N, k), their combine weights (N, k), the logits (in `router_dtype`) and the fp32 scores."
+        dtype = torch.float32 if self.router_dtype == "float32" else torch.bfloat16
+        with torch.autocast(x_ND.device.type, enabled=False):  # the dot in router_dtype, whatever the autocast
+            logits_NE = F.linear(x_ND.to(dtype), self.router.weight.to(dtype))
+        scores_NE = logits_NE.float().sigmoid() if self.score == "sigmoid" else logits_NE.float().softmax(dim=-1)
         _, experts_Nk = torch.topk(scores_NE + self.balance_bias, self.k, dim=-1, sorted=False)
         weights_Nk = scores_NE.gather(1, experts_Nk)
         return experts_Nk, weights_Nk / weights_Nk.sum(dim=-1, keepdim=True), logits_NE, scores_NE
@@ -278,8 +337,8 @@ class MoE(nn.Module):
         x_in = self.latent_down(x_ND) if self.latent_down is not None else x_ND
         x_MD = DispatchRows.apply(x_in, token_M, unsort_M, self.k)
         w_M = PermuteRows.apply(weights_Nk.flatten(), order_M, unsort_M)
-        if self.ep_group is None: y_MD = self.run_experts(x_MD, load_E.cumsum(0).to(torch.int32), w_M)
-        else: y_MD = expert_parallel(self.run_experts, x_MD, w_M, load_E, self.ep_group)
+        if self.ep_group is None: y_MD, dropped = self.run_within_capacity(x_MD, load_E[None], w_M, expert_M.numel())
+        else: y_MD, dropped = expert_parallel(self.run_within_capacity, x_MD, w_M, load_E, self.ep_group)
 
         y_ND = CombineRows.apply(y_MD, token_M, unsort_M, self.k)
         if self.latent_up is not None: y_ND = self.latent_up(y_ND)
@@ -293,8 +352,8 @@ class MoE(nn.Module):
             prob_E = (scores_NE / scores_NE.sum(dim=-1, keepdim=True)).mean(dim=0)
             aux = self.E * (fraction_E * prob_E).sum()
         if self.z_weight:
-            z = torch.logsumexp(logits_NE, dim=-1).square().mean()
-        return y_ND.view(B, T, -1), RouterStats(load_E.detach(), aux, z)
+            z = torch.logsumexp(logits_NE.float(), dim=-1).square().mean()
+        return y_ND.view(B, T, -1), RouterStats(load_E.detach(), aux, z, dropped)
 
     def _apply(self, fn, recurse=True):
         "Keep the balancing bias in fp32 when the module is cast (`.to(bfloat16)`): 1e-3 steps vanish in bf16."
@@ -364,6 +423,7 @@ class ModelOutput(NamedTuple):
     aux_loss: torch.Tensor | None = None       # summed over MoE layers
     router_z_loss: torch.Tensor | None = None  # summed over MoE layers
     expert_load: torch.Tensor | None = None    # (MoE layers, E) tokens per expert
+    dropped: torch.Tensor | None = None        # (MoE layers,) rows this rank dropped past capacity; None when dropless
 
 class Block(nn.Module):
     def __init__(self, cfg: ModelConfig, layer: int):
@@ -447,7 +507,8 @@ class Transformer(nn.Module):
         x_BTD = self.norm(x_BTD)
         head_VD = self.embed.weight if self.head is None else self.head.weight
         load = torch.stack([s.load_E for s in stats]) if stats else None
-        if targets_BT is None: return ModelOutput(F.linear(x_BTD, head_VD), expert_load=load)
+        dropped = torch.stack([s.dropped for s in stats]) if stats and stats[0].dropped is not None else None
+        if targets_BT is None: return ModelOutput(F.linear(x_BTD, head_VD), expert_load=load, dropped=dropped)
 
         loss, ce, logit_z = LinearCrossEntropyZ.apply(x_BTD.reshape(-1, x_BTD.shape[-1]), head_VD, targets_BT.reshape(-1),
                                                       self.cfg.logit_z_loss_weight, loss_chunk_rows(x_BTD.device.type != "cpu"))
@@ -455,7 +516,7 @@ class Transformer(nn.Module):
         router_z = sum(s.z_loss for s in stats) if self.cfg.router_z_loss_weight and stats else None
         if aux is not None: loss = loss + self.cfg.aux_loss_weight * aux
         if router_z is not None: loss = loss + self.cfg.router_z_loss_weight * router_z
-        return ModelOutput(None, loss, ce, logit_z, aux, router_z, load)
+        return ModelOutput(None, loss, ce, logit_z, aux, router_z, load, dropped)
 
 # %% ../nbs/05_model.ipynb #c04384cd
 def use_grouped_mm(model: nn.Module, enabled: bool = True) -> nn.Module:
@@ -475,3 +536,23 @@ def use_recompute(model: Transformer, mode: str) -> Transformer:
     for m in model.modules():
         if isinstance(m, (Attention, MoE)): m.recompute = mode == "selective"
     return model
+
+# %% ../nbs/05_model.ipynb #68a3baa3
+@torch.no_grad()
+def router_topk_changes(model: Transformer, tokens_BT: torch.Tensor, dtype=torch.bfloat16) -> list[float]:
+    "Per MoE layer, the share of tokens whose top-k expert set differs between an fp32 and a bf16 router dot."
+    inputs = []
+    hooks = [moe.register_forward_pre_hook(lambda _, args: inputs.append(args[0])) for moe in model.moe_layers()]
+    try:
+        with torch.autocast(tokens_BT.device.type, dtype=dtype): model(tokens_BT)
+    finally:
+        for hook in hooks: hook.remove()
+    shares = []
+    for moe, x_BTD in zip(model.moe_layers(), inputs):
+        x_ND, own, sets = x_BTD.reshape(-1, x_BTD.shape[-1]), moe.router_dtype, []
+        try:
+            for moe.router_dtype in ("float32", "bfloat16"):
+                with torch.autocast(tokens_BT.device.type, dtype=dtype): sets.append(moe.route(x_ND)[0].sort(dim=-1).values)
+        finally: moe.router_dtype = own
+        shares.append(float((sets[0] != sets[1]).any(dim=-1).double().mean()))
+    return shares

@@ -12,7 +12,7 @@ from conftest import ROOT
 from marin_study.accounting import param_counts
 from marin_study.config import ModelConfig, load_params
 from marin_study.hardware import cpu_bf16
-from marin_study.model import (MoE, RMSNorm, Transformer, sliding_window_mask, use_grouped_mm,
+from marin_study.model import (MoE, RMSNorm, Transformer, router_topk_changes, sliding_window_mask, use_grouped_mm,
                                HAS_GROUPED_MM)
 
 TINY = load_params(ROOT / "params/tiny.yaml").model
@@ -401,3 +401,100 @@ def test_global_layers_attend_with_the_first_kv_heads_when_n_kv_heads_global_is_
         local.qkv.weight[(H + 1) * d:(H + 2) * d] += 1.0     # a local layer attends with both
         assert not torch.allclose(model(x).logits, before)
     with pytest.raises(Exception, match="n_kv_heads_global"): dataclasses.replace(TINY, n_kv_heads=2, n_kv_heads_global=3)
+
+
+def capacity_moe(capacity_factor, seed=0):
+    torch.manual_seed(seed)
+    moe = MoE(dataclasses.replace(TINY, capacity_factor=capacity_factor)).train().double()
+    for p in moe.parameters(): torch.nn.init.normal_(p, std=TINY.init_std)
+    moe.experts.grouped = False  # fp64 for exact comparisons: torch._grouped_mm has no float64
+    return moe
+
+
+def expected_within_capacity(moe, x_RND, capacity_factor, P):
+    """By hand: each of P receiving ranks (E/P experts each) keeps max(E/P, ceil(cf M / P)) rows, walking its experts
+    in order, each expert's rows source rank by source rank, then in token order. Every source's output, the count
+    dropped and the kept (source, token, slot)."""
+    routes = [moe.route(x_ND)[:2] for x_ND in x_RND]
+    L, M = moe.E // P, sum(e.numel() for e, _ in routes)
+    capacity, kept = max(L, math.ceil(capacity_factor * M / P)), set()
+    for receiver in range(P):
+        seen = 0
+        for e in range(receiver * L, (receiver + 1) * L):
+            for source, (experts_Nk, _) in enumerate(routes):
+                for n, j in (experts_Nk == e).nonzero().tolist():
+                    if seen < capacity: kept.add((source, n, j))
+                    seen += 1
+    out = []
+    with torch.no_grad():
+        for source, (x_ND, (experts_Nk, weights_Nk)) in enumerate(zip(x_RND, routes)):
+            z_ND, routed_ND = moe.latent_down(x_ND), torch.zeros(x_ND.shape[0], TINY.latent_dim, dtype=x_ND.dtype)
+            for _, n, j in (k for k in kept if k[0] == source):
+                gate, up = (z_ND[n] @ moe.experts.gate_up_EDF[experts_Nk[n, j]]).chunk(2)
+                routed_ND[n] += weights_Nk[n, j] * (F.silu(gate) * up) @ moe.experts.down_EFD[experts_Nk[n, j]]
+            out.append(moe.latent_up(routed_ND) + moe.shared(x_ND))
+    return out, M - len(kept), kept
+
+
+def test_capacity_factor_zero_is_the_dropless_layer_bit_for_bit():
+    "A capacity of 0 takes the dropless path: the same grouped matmul on every routed row, no drop count."
+    model, x_BT = tiny_model(), tokens()
+    out = model(x_BT[:, :-1], x_BT[:, 1:])
+    for moe in model.moe_layers(): moe.capacity_factor = 1e9  # a capacity no rank can fill: every row kept
+    kept = model(x_BT[:, :-1], x_BT[:, 1:])
+    assert out.dropped is None and TINY.capacity_factor == 0 and TINY.router_dtype == "float32"
+    assert kept.dropped.sum() == 0 and torch.equal(out.loss, kept.loss)  # keeping every row is the dropless result
+
+
+def test_capacity_drops_the_rows_past_it_in_expert_then_token_order():
+    "One rank: capacity max(E, ceil(cf M)) rows, filled expert by expert, within an expert in token order."
+    moe = capacity_moe(0.5)
+    x_ND = torch.randn(40, TINY.hidden_size, dtype=torch.float64, requires_grad=True)
+    y_ND, stats = moe(x_ND[None])
+    (expected,), dropped, kept = expected_within_capacity(moe, x_ND[None].detach(), 0.5, P=1)
+    assert int(stats.dropped) == dropped == 40 * TINY.top_k - max(TINY.n_experts, 20 * TINY.top_k) > 0
+    torch.testing.assert_close(y_ND[0], expected, atol=1e-12, rtol=0)  # shared + kept rows: a dropped row adds nothing
+    y_ND.sum().backward()  # an expert whose every row was dropped gets no gradient
+    experts_Nk = moe.route(x_ND.detach())[0]
+    untouched = [e for e in range(moe.E) if not any(int(experts_Nk[n, j]) == e for _, n, j in kept)]
+    assert untouched and all(moe.experts.gate_up_EDF.grad[e].abs().sum() == 0 for e in untouched)
+    moe.eval()
+    y_eval, eval_stats = moe(x_ND[None].detach())
+    assert eval_stats.dropped is None and not torch.allclose(y_eval, y_ND.detach())  # evaluation is dropless
+
+def test_router_dtype_changes_the_dot_and_the_measurement_is_a_share():
+    moe = capacity_moe(0.0)
+    moe.float()
+    x_ND = torch.randn(64, TINY.hidden_size)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        fp32 = moe.route(x_ND)[2]
+        moe.router_dtype = "bfloat16"
+        bf16 = moe.route(x_ND)[2]
+    assert fp32.dtype == torch.float32 and bf16.dtype == torch.bfloat16 and not torch.equal(fp32, bf16.float())
+    torch.manual_seed(0)
+    model = Transformer(TINY)
+    shares = router_topk_changes(model, torch.randint(0, TINY.vocab_size, (2, 64)))
+    assert len(shares) == len(model.moe_layers()) and all(0 <= s <= 1 for s in shares)
+
+
+def _capacity_worker(rank, port, out):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    moe = capacity_moe(0.9)
+    moe.shard_experts(dist.group.WORLD)
+    y_ND, stats = moe(torch.randn(1, 48, TINY.hidden_size, dtype=torch.float64, generator=torch.Generator().manual_seed(rank)))
+    out[rank] = (y_ND[0].detach().clone(), int(stats.dropped))
+    dist.destroy_process_group()
+
+
+def test_expert_parallel_capacity_is_per_receiving_rank_counting_every_source():
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    out = mp.Manager().dict()
+    mp.spawn(_capacity_worker, args=(port, out), nprocs=2)
+    x_RND = [torch.randn(48, TINY.hidden_size, dtype=torch.float64, generator=torch.Generator().manual_seed(r)) for r in (0, 1)]
+    expected, dropped, _ = expected_within_capacity(capacity_moe(0.9), x_RND, 0.9, P=2)
+    assert out[0][1] + out[1][1] == dropped > 0  # each receiving rank counts its own drops; their sum is the group's
+    for rank in (0, 1): torch.testing.assert_close(out[rank][0], expected[rank], atol=1e-12, rtol=0)
