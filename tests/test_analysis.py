@@ -8,7 +8,7 @@ import pytest
 
 from marin_study.analysis import (KINDS, SANE_EXPONENT, AnalysisError, Thresholds, compare, diagnose, findings_table,
                                   fit_scaling_law, load_curves, plot_router_load, router_health_frame)
-from marin_study.trainer.metrics import MOE_LAYER_METRICS, moe_layer_key, router_health
+from marin_study.trainer.metrics import ROUTER_HEALTH_METRICS, moe_layer_key, router_health
 from marin_study.widgets import explorer
 
 VOCAB = 8192
@@ -361,7 +361,7 @@ def test_router_health_of_a_planted_skew():
     bias_LE = torch.zeros(3, 8)
     bias_LE[1] = torch.tensor([-0.004] + [0.001] * 7)
     health = router_health(load_LE, bias_LE)
-    assert list(health) == [moe_layer_key(l, n) for l in range(3) for n in MOE_LAYER_METRICS]
+    assert list(health) == [moe_layer_key(l, n) for l in range(3) for n in ROUTER_HEALTH_METRICS]
     assert list(health) == ["moe/layer0/max_load", "moe/layer0/idle", "moe/layer0/entropy", "moe/layer0/bias_norm"] + list(health)[4:]
     assert health["moe/layer0/max_load"] == 1.0 and health["moe/layer0/idle"] == 0.0
     assert health["moe/layer0/entropy"] == pytest.approx(1.0) and health["moe/layer0/bias_norm"] == 0.0

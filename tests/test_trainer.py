@@ -415,3 +415,15 @@ def test_muon_learns_splits_experts_resumes_bit_exact_and_holds_the_memory_the_p
     for held in report["ranks"]:  # one momentum per hidden matrix: 4 bytes less per parameter than Adam's two moments
         for key in ("params", "grads", "optimizer"):
             assert held[key] == pytest.approx(report["predicted"][key], rel=0.01), (key, held, report["predicted"])
+
+
+def test_a_capacity_logs_each_layers_drop_fraction_of_the_whole_expert_parallel_group(params_file, tmp_path):
+    "ep 2 at capacity_factor 1: a rank whose experts get more than the group's mean share drops the rest."
+    run(command("torchrun", params_file, tmp_path, "parallel.ep=2", "parallel.zero_stage=1", "model.capacity_factor=1.0",
+                "train.steps=5", "train.eval_every=0", "train.checkpoint_every=5"))
+    records = MetricsLog(tmp_path / "metrics.jsonl").read()
+    assert [r["step"] for r in records] == [1, 2, 3, 4, 5]
+    for r in records:
+        layers = [r[f"moe/layer{i}/drop_fraction"] for i in range(4)]
+        assert all(0 <= d < 0.5 for d in layers) and r["moe/drop_fraction"] == pytest.approx(sum(layers) / 4)
+    assert any(r["moe/drop_fraction"] > 0 for r in records)  # an untrained router is uneven between the two ranks

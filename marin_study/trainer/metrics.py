@@ -22,17 +22,18 @@ from .processes import TrainError
 
 # %% auto #0
 __all__ = ['STEP', 'TOKENS', 'LOSS', 'LOGIT_Z_LOSS', 'AUX_LOSS', 'ROUTER_Z_LOSS', 'LR', 'GRAD_NORM', 'MOE_MAX_LOAD',
-           'MOE_MIN_LOAD', 'MOE_BIAS_NORM', 'SKIPPED', 'SKIP_REASON', 'BAD_STEPS', 'STEP_TIME', 'DATA_TIME',
-           'TOKENS_PER_SEC', 'MFU', 'TFLOPS_PER_DEVICE', 'MFU_CONVENTION', 'PEAK_TFLOPS', 'GPU_MEM_ALLOCATED',
-           'GPU_MEM_RESERVED', 'GPU_UTIL', 'EVAL_LOSS', 'EVAL_BPB', 'MOE_LAYER_METRICS', 'domain_key', 'eval_domains',
-           'moe_layer_key', 'parse_moe_layer_key', 'router_health', 'MetricsLog', 'Throughput', 'gpu_in_use',
-           'cuda_keys']
+           'MOE_MIN_LOAD', 'MOE_BIAS_NORM', 'MOE_DROP_FRACTION', 'SKIPPED', 'SKIP_REASON', 'BAD_STEPS', 'STEP_TIME',
+           'DATA_TIME', 'TOKENS_PER_SEC', 'MFU', 'TFLOPS_PER_DEVICE', 'MFU_CONVENTION', 'PEAK_TFLOPS',
+           'GPU_MEM_ALLOCATED', 'GPU_MEM_RESERVED', 'GPU_UTIL', 'EVAL_LOSS', 'EVAL_BPB', 'ROUTER_HEALTH_METRICS',
+           'MOE_LAYER_METRICS', 'domain_key', 'eval_domains', 'moe_layer_key', 'parse_moe_layer_key', 'router_health',
+           'drop_fractions', 'MetricsLog', 'Throughput', 'gpu_in_use', 'cuda_keys']
 
 # %% ../../nbs/07f_metrics.ipynb #462349fb
 STEP, TOKENS = "step", "tokens"
 LOSS, LOGIT_Z_LOSS, AUX_LOSS, ROUTER_Z_LOSS = "loss", "logit_z_loss", "aux_loss", "router_z_loss"
 LR, GRAD_NORM = "lr", "grad_norm"
 MOE_MAX_LOAD, MOE_MIN_LOAD, MOE_BIAS_NORM = "moe/max_load", "moe/min_load", "moe/bias_norm"
+MOE_DROP_FRACTION = "moe/drop_fraction"  # rows dropped past capacity over rows routed, all MoE layers
 SKIPPED, SKIP_REASON, BAD_STEPS = "skipped", "skip_reason", "bad_steps"
 STEP_TIME, DATA_TIME, TOKENS_PER_SEC, MFU = "step_time", "data_time", "tokens_per_sec", "mfu"
 TFLOPS_PER_DEVICE, MFU_CONVENTION, PEAK_TFLOPS = "tflops_per_device", "mfu_convention", "peak_tflops"
@@ -53,7 +54,8 @@ def eval_domains(keys) -> list[str]:
 # %% ../../nbs/07f_metrics.ipynb #5dd18a00
 if TYPE_CHECKING: import torch  # for the annotations only: this module does not load torch
 
-MOE_LAYER_METRICS = ("max_load", "idle", "entropy", "bias_norm")
+ROUTER_HEALTH_METRICS = ("max_load", "idle", "entropy", "bias_norm")  # every accepted step of an MoE run
+MOE_LAYER_METRICS = ROUTER_HEALTH_METRICS + ("drop_fraction",)          # ... and, with a capacity, every step
 
 
 def moe_layer_key(layer: int, name: str) -> str:
@@ -81,7 +83,15 @@ def router_health(load_LE: torch.Tensor, bias_LE: torch.Tensor) -> dict[str, flo
                "entropy": 0.0 - p.xlogy(p).sum(-1) / (math.log(E) if E > 1 else 1.0),  # 0 log 0 = 0
                "bias_norm": bias_LE.detach().double().norm(dim=-1)}
     values = {name: column.tolist() for name, column in columns.items()}  # four small copies to the host
-    return {moe_layer_key(layer, name): values[name][layer] for layer in range(L) for name in MOE_LAYER_METRICS}
+    return {moe_layer_key(layer, name): values[name][layer] for layer in range(L) for name in ROUTER_HEALTH_METRICS}
+
+
+def drop_fractions(dropped_L: torch.Tensor, routed_L: torch.Tensor) -> dict[str, float]:
+    """The drop keys of one step: each MoE layer's rows dropped past capacity over its rows routed (both summed over
+    micro-batches and ranks), then `moe/drop_fraction` over all layers."""
+    dropped, routed = dropped_L.double().tolist(), routed_L.double().tolist()
+    record = {moe_layer_key(layer, "drop_fraction"): d / max(r, 1.0) for layer, (d, r) in enumerate(zip(dropped, routed))}
+    return record | {MOE_DROP_FRACTION: sum(dropped) / max(sum(routed), 1.0)}
 
 # %% ../../nbs/07f_metrics.ipynb #729ef3a0
 class MetricsLog:

@@ -22,9 +22,10 @@ from .callbacks import (
     Callback, MemoryCensus, Profiler, Progress, SignalStop, make_trackers, missing_trackers)
 from .checkpointer import Checkpointer, initial_weights
 from .evaluation import HeldOut
-from .metrics import (
+from marin_study.trainer.metrics import (
     AUX_LOSS, BAD_STEPS, EVAL_LOSS, GRAD_NORM, LOGIT_Z_LOSS, LOSS, LR, MOE_BIAS_NORM, MOE_MAX_LOAD, MOE_MIN_LOAD,
-    ROUTER_Z_LOSS, SKIP_REASON, SKIPPED, STEP, TOKENS, MetricsLog, Throughput, cuda_keys, gpu_in_use, router_health)
+    ROUTER_Z_LOSS, SKIP_REASON, SKIPPED, STEP, TOKENS, MetricsLog, Throughput, cuda_keys, drop_fractions, gpu_in_use,
+    router_health)
 from .optim import GuardedStep, StepGuard, make_optimizer, param_groups, peak_lr
 from .processes import TrainError, join_processes, lock_run_dir, make_accelerator, say, split_experts
 from .schedule import lr_at
@@ -102,13 +103,18 @@ class Trainer:
         t, accumulation = self.params.train, len(micro_batches)
         for group in self.optimizer.param_groups: group["lr"] = lr_at(self.step, t, peak_lr(group, t))
         sums_4 = torch.zeros(4, dtype=torch.float64, device=self.device)  # ce, logit z, aux, router z
+        drops_2L = None  # with a capacity: rows dropped and rows routed per MoE layer
         for i, batch_BT in enumerate(micro_batches):
             batch_BT = batch_BT.to(self.device)
             with self.autocast: out = self.engine(batch_BT[:, :-1], batch_BT[:, 1:])
             sums_4 += torch.stack([x.detach().double() if x is not None else torch.zeros((), dtype=torch.float64, device=self.device)
                                    for x in (out.ce_loss, out.logit_z_loss, out.aux_loss, out.router_z_loss)])
+            if out.dropped is not None:
+                step_2L = torch.stack([out.dropped.double(), out.expert_load.sum(-1).double()])
+                drops_2L = step_2L if drops_2L is None else drops_2L + step_2L
             if i == accumulation - 1:  # the guard judges the step by the loss of all ranks, before the update
                 if dist.is_initialized(): dist.all_reduce(sums_4)
+                if dist.is_initialized() and drops_2L is not None: dist.all_reduce(drops_2L)
                 sums_4 /= accumulation * self.world_size
                 self.optimizer.begin(float(sums_4[0]))
             with self.accelerator.accumulate(self.engine): self.accelerator.backward(out.loss)
@@ -127,6 +133,7 @@ class Trainer:
                 ratio_LE = load_LE.double() / load_LE.double().mean(dim=1, keepdim=True)
                 record.update({MOE_MAX_LOAD: float(ratio_LE.max()), MOE_MIN_LOAD: float(ratio_LE.min())})
                 record.update(router_health(load_LE, torch.stack([m.balance_bias for m in model.moe_layers()])))
+            if drops_2L is not None: record.update(drop_fractions(*drops_2L))
         if reason is not None: record.update({SKIPPED: True, SKIP_REASON: reason})
         record[BAD_STEPS] = self.guard.bad_total
         return record
