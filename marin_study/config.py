@@ -185,6 +185,8 @@ class ModelConfig(Section):
     dense_ffn: int = _f(0, ge=0)
     tie_embeddings: bool = False
     qk_norm: bool = False
+    document_mask: bool = False          # attend only within each document of a packed window
+    eod_id: int = _f(0, ge=0)            # the end-of-document token (<|endoftext|>, the tokenizer's first special token)
     sliding_window: int = _f(0, ge=0)    # 0 = every layer attends globally
     global_every: int = _f(1, ge=1)
     rope_theta: float = _f(10000.0, gt=0)
@@ -224,6 +226,9 @@ class ModelConfig(Section):
         if self.sliding_window >= self.max_seq_len:
             yield Problem("sliding_window", f"window {self.sliding_window} is not shorter than max_seq_len "
                           f"{self.max_seq_len}, so local layers would be global", "use 0 (no window) or a smaller window")
+        if self.eod_id >= self.vocab_size:
+            yield Problem("eod_id", f"{self.eod_id} is not below vocab_size ({self.vocab_size})",
+                          "use the tokenizer's id of <|endoftext|> (0 for the kit's tokenizer)")
         if not self.is_moe:
             for name in ("top_k", "expert_ffn", "n_shared_experts", "shared_ffn", "latent_dim", "n_dense_layers"):
                 if getattr(self, name):

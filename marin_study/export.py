@@ -39,15 +39,16 @@ def _conditions(cfg: ModelConfig, bias_is_zero: bool) -> dict[str, list[tuple[bo
     routed = [(cfg.router == "softmax", "its router scores with a sigmoid"),
               (bias_is_zero, "its balancing bias is not zero, and changes which experts are chosen"),
               (cfg.n_shared_experts == 0, "it has shared experts"), (cfg.latent_dim == 0, "its experts are latent")]
+    masked = (not cfg.document_mask, "its attention keeps to documents")  # no native class masks by document
     return {
-        "LlamaForCausalLM": [(not cfg.is_moe, "it is an MoE"), (not cfg.qk_norm, "it has QK-norm"),
+        "LlamaForCausalLM": [masked, (not cfg.is_moe, "it is an MoE"), (not cfg.qk_norm, "it has QK-norm"),
                              (global_only, "it has sliding-window layers"), (uniform_kv, "its global layers use fewer KV heads")],
-        "Qwen3ForCausalLM": [(not cfg.is_moe, "it is an MoE"), (cfg.qk_norm, "it has no QK-norm"),
+        "Qwen3ForCausalLM": [masked, (not cfg.is_moe, "it is an MoE"), (cfg.qk_norm, "it has no QK-norm"),
                              (uniform_kv, "its global layers use fewer KV heads")],
-        "MixtralForCausalLM": [(cfg.is_moe, "it is dense"), *routed, (not cfg.qk_norm, "it has QK-norm"),
+        "MixtralForCausalLM": [masked, (cfg.is_moe, "it is dense"), *routed, (not cfg.qk_norm, "it has QK-norm"),
                                (global_only, "it has sliding-window layers"), (cfg.n_dense_layers == 0, "it has dense layers"),
                                (uniform_kv, "its global layers use fewer KV heads")],
-        "Qwen3MoeForCausalLM": [(cfg.is_moe, "it is dense"), *routed, (cfg.qk_norm, "it has no QK-norm"),
+        "Qwen3MoeForCausalLM": [masked, (cfg.is_moe, "it is dense"), *routed, (cfg.qk_norm, "it has no QK-norm"),
                                 (global_only, "it has sliding-window layers"), (uniform_kv, "its global layers use fewer KV heads")],
     }
 
@@ -67,6 +68,9 @@ def choose_architecture(cfg: ModelConfig, bias_is_zero: bool = True, native: boo
 def hf_config(cfg: ModelConfig, arch: str, eod_id: int):
     "The transformers config object of `cfg` exported as `arch`."
     import transformers
+    if cfg.document_mask and eod_id != cfg.eod_id:
+        raise ExportError(f"the tokenizer ends documents with token {eod_id} but model.eod_id is {cfg.eod_id}, so the export "
+                          "would mask other documents than training did; pass the run's own --tokenizer")
     layer_types = ["full_attention" if cfg.is_global(i) else "sliding_attention" for i in range(cfg.n_layers)]
     common = dict(vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, num_hidden_layers=cfg.n_layers,
                   num_attention_heads=cfg.n_heads, num_key_value_heads=cfg.n_kv_heads, head_dim=cfg.head_dim,
@@ -80,7 +84,8 @@ def hf_config(cfg: ModelConfig, arch: str, eod_id: int):
                                       num_experts=cfg.n_experts, moe_intermediate_size=cfg.expert_ffn,
                                       n_shared_experts=cfg.n_shared_experts, shared_intermediate_size=cfg.shared_ffn,
                                       latent_dim=cfg.latent_dim, first_k_dense_replace=cfg.n_dense_layers, router=cfg.router,
-                                      num_global_key_value_heads=cfg.n_kv_heads_global or None, **routed)
+                                      num_global_key_value_heads=cfg.n_kv_heads_global or None,
+                                      document_mask=cfg.document_mask, eod_token_id=eod_id, **routed)
         config.auto_map = {"AutoConfig": "modeling_marin.MarinConfig", "AutoModelForCausalLM": "modeling_marin.MarinForCausalLM"}
     elif arch == "LlamaForCausalLM":
         config = transformers.LlamaConfig(**common, **rope, intermediate_size=cfg.dense_ffn)

@@ -9,13 +9,14 @@ import torch.nn.functional as F
 from transformers import AutoConfig, AutoModelForCausalLM, GenerationMixin, PreTrainedConfig, PreTrainedModel
 from transformers import initialization as init
 from transformers.cache_utils import Cache, DynamicCache
-from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
+from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask, packed_sequence_mask_function
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 # %% auto #0
 __all__ = ['MarinConfig', 'MarinRMSNorm', 'rope', 'MarinRotary', 'eager_attention', 'MarinAttention', 'MarinMLP', 'MarinExperts',
-           'MarinMoE', 'MarinDecoderLayer', 'MarinPreTrainedModel', 'MarinModel', 'MarinForCausalLM', 'register']
+           'MarinMoE', 'MarinDecoderLayer', 'MarinPreTrainedModel', 'document_ids', 'same_document', 'MarinModel',
+           'MarinForCausalLM', 'register']
 
 # %% ../nbs/13a_hf_model.ipynb #9e301010
 class MarinConfig(PreTrainedConfig):
@@ -28,7 +29,8 @@ class MarinConfig(PreTrainedConfig):
                  rms_norm_eps=1e-5, qk_norm=False, sliding_window=None, layer_types=None, intermediate_size=512,
                  num_experts=0, num_experts_per_tok=0, moe_intermediate_size=0, n_shared_experts=0,
                  shared_intermediate_size=0, latent_dim=0, first_k_dense_replace=0, router="sigmoid",
-                 tie_word_embeddings=False, initializer_range=0.02, use_cache=True, num_global_key_value_heads=None, **kwargs):
+                 tie_word_embeddings=False, initializer_range=0.02, use_cache=True, num_global_key_value_heads=None,
+                 document_mask=False, eod_token_id=None, **kwargs):
         self.vocab_size, self.hidden_size, self.num_hidden_layers = vocab_size, hidden_size, num_hidden_layers
         self.num_attention_heads, self.num_key_value_heads, self.head_dim = num_attention_heads, num_key_value_heads, head_dim
         self.num_global_key_value_heads = num_global_key_value_heads  # the first of the stored KV heads that full-attention layers use
@@ -40,6 +42,9 @@ class MarinConfig(PreTrainedConfig):
         self.shared_intermediate_size, self.latent_dim = shared_intermediate_size, latent_dim
         self.first_k_dense_replace, self.router = first_k_dense_replace, router
         self.initializer_range, self.use_cache = initializer_range, use_cache
+        if document_mask and eod_token_id is None:
+            raise ValueError("MarinConfig: document_mask needs eod_token_id, the token that ends each document")
+        self.document_mask, self.eod_token_id = document_mask, eod_token_id  # attend only within each document
         super().__init__(tie_word_embeddings=tie_word_embeddings, **kwargs)
 
     def is_moe_layer(self, layer: int) -> bool:
@@ -204,6 +209,25 @@ class MarinPreTrainedModel(PreTrainedModel):
         elif isinstance(module, MarinMoE): init.zeros_(module.balance_bias)
         elif isinstance(module, MarinRotary): init.copy_(module.inv_freq, MarinRotary.inverse_frequencies(self.config))
 
+# %% ../nbs/13a_hf_model.ipynb #3e71130c
+def document_ids(input_ids_BS: torch.Tensor, eod_id: int) -> torch.Tensor:
+    "Each position's document: the end-of-document tokens strictly before it (the end token closes its own document)."
+    eod_BS = (input_ids_BS == eod_id).int()
+    return eod_BS.cumsum(1) - eod_BS
+
+def same_document(config: MarinConfig, input_ids_BT, document_ids_BS, past: int):
+    "transformers' `and_mask_function` keeping attention inside documents; `document_ids_BS` covers the cache too."
+    if "flash" in str(config._attn_implementation):
+        raise ValueError(f"document_mask: {config._attn_implementation} takes no mask function; load the model with "
+                         "attn_implementation='sdpa' (the default), 'eager' or 'flex_attention'")
+    if document_ids_BS is None:
+        if past or input_ids_BT is None:
+            raise ValueError("document_mask: a forward after cached tokens, or from inputs_embeds, needs document_ids of "
+                             "the whole sequence: pass document_ids(all_input_ids, eod_token_id) (generate() does)")
+        document_ids_BS = document_ids(input_ids_BT, config.eod_token_id)
+    return packed_sequence_mask_function(document_ids_BS)
+
+
 # %% ../nbs/13a_hf_model.ipynb #9cef38d1
 class MarinModel(MarinPreTrainedModel):
     def __init__(self, config: MarinConfig):
@@ -215,16 +239,16 @@ class MarinModel(MarinPreTrainedModel):
         self.post_init()
 
     def forward(self, input_ids=None, attention_mask=None, position_ids=None, cache: Cache | None = None,
-                inputs_embeds=None, use_cache=None, **kwargs) -> BaseModelOutputWithPast:
+                inputs_embeds=None, use_cache=None, document_ids=None, **kwargs) -> BaseModelOutputWithPast:
         x_BTD = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
         use_cache = self.config.use_cache if use_cache is None else use_cache
         if use_cache and cache is None: cache = DynamicCache(config=self.config)
-        if position_ids is None:
-            past = cache.get_seq_length() if cache is not None else 0
-            position_ids = (torch.arange(x_BTD.shape[1], device=x_BTD.device) + past)[None]
+        past = cache.get_seq_length() if cache is not None else 0
+        if position_ids is None: position_ids = (torch.arange(x_BTD.shape[1], device=x_BTD.device) + past)[None]
         masks = {"full_attention": None, "sliding_attention": None}
         args = dict(config=self.config, inputs_embeds=x_BTD, attention_mask=attention_mask, cache=cache,
                     position_ids=position_ids)
+        if self.config.document_mask: args["and_mask_function"] = same_document(self.config, input_ids, document_ids, past)
         masks["full_attention"] = create_causal_mask(**args)
         if "sliding_attention" in self.config.layer_types: masks["sliding_attention"] = create_sliding_window_causal_mask(**args)
         cos_sin = self.rotary(x_BTD, position_ids.expand(x_BTD.shape[0], -1))
@@ -232,6 +256,8 @@ class MarinModel(MarinPreTrainedModel):
             x_BTD = layer(x_BTD, cos_sin, masks[kind], cache, **kwargs)
         return BaseModelOutputWithPast(last_hidden_state=self.norm(x_BTD), cache=cache)
 
+
+# %% ../nbs/13a_hf_model.ipynb #78dfa5f2
 class MarinForCausalLM(MarinPreTrainedModel, GenerationMixin):
     _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
 
@@ -250,6 +276,12 @@ class MarinForCausalLM(MarinPreTrainedModel, GenerationMixin):
         loss = None
         if labels is not None: loss = self.loss_function(logits=logits_BTV, labels=labels, vocab_size=self.config.vocab_size, **kwargs)
         return CausalLMOutputWithPast(loss=loss, logits=logits_BTV, cache=out.cache)
+
+    def prepare_inputs_for_generation(self, input_ids, **kwargs):
+        "Also the documents of the whole sequence so far, cached tokens included, when attention keeps to documents."
+        inputs = super().prepare_inputs_for_generation(input_ids, **kwargs)
+        if self.config.document_mask: inputs["document_ids"] = document_ids(input_ids, self.config.eod_token_id)
+        return inputs
 
 # %% ../nbs/13a_hf_model.ipynb #544fa576
 def register() -> None:

@@ -19,10 +19,11 @@ from .hardware import loss_chunk_rows
 
 # %% auto #0
 __all__ = ['HAS_GROUPED_MM', 'RESIDUAL_OUTPUTS', 'RECOMPUTE_MODES', 'RMSNorm', 'rope_tables', 'rotate', 'Rope', 'apply_rope',
-           'sliding_window_mask', 'Attention', 'SwiGLU', 'grouped_mm_supported', 'looped_mm', 'Experts', 'PermuteRows',
-           'inverse_permutation', 'RouterStats', 'sum_rows', 'DispatchRows', 'CombineRows', 'expert_parallel',
-           'kept_per_group', 'kept_rows', 'KeepRows', 'PlaceRows', 'MoE', 'LinearCrossEntropyZ', 'ModelOutput', 'Block',
-           'not_counting', 'Transformer', 'use_grouped_mm', 'use_recompute', 'router_topk_changes']
+           'sliding_window_mask', 'Attention', 'document_mask', 'SwiGLU', 'grouped_mm_supported', 'looped_mm',
+           'Experts', 'PermuteRows', 'inverse_permutation', 'RouterStats', 'sum_rows', 'DispatchRows', 'CombineRows',
+           'expert_parallel', 'kept_per_group', 'kept_rows', 'KeepRows', 'PlaceRows', 'MoE', 'LinearCrossEntropyZ',
+           'ModelOutput', 'Block', 'not_counting', 'Transformer', 'use_grouped_mm', 'use_recompute',
+           'router_topk_changes']
 
 # %% ../nbs/05_model.ipynb #13a2d3a3
 class RMSNorm(nn.Module):
@@ -82,15 +83,16 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(self.d, cfg.norm_eps) if cfg.qk_norm else None
         self.recompute = False  # selective recompute: keep q, k, v and recompute the attention core in backward
 
-    def core(self, q_BHTd, k_BKTd, v_BKTd):
-        "Causal scaled dot-product attention, within the window on local layers."
-        T = q_BHTd.shape[2]
+    def core(self, q_BHTd, k_BKTd, v_BKTd, doc_mask_B1TT=None):
+        "Causal scaled dot-product attention, within the window on local layers, within each document given its mask."
+        T, mask = q_BHTd.shape[2], doc_mask_B1TT
         if self.window and self.window < T:
-            mask_TT = sliding_window_mask(T, self.window, q_BHTd.device)
-            return F.scaled_dot_product_attention(q_BHTd, k_BKTd, v_BKTd, attn_mask=mask_TT, enable_gqa=True)
-        return F.scaled_dot_product_attention(q_BHTd, k_BKTd, v_BKTd, is_causal=True, enable_gqa=True)
+            window_TT = sliding_window_mask(T, self.window, q_BHTd.device)
+            mask = window_TT if mask is None else mask & window_TT
+        if mask is None: return F.scaled_dot_product_attention(q_BHTd, k_BKTd, v_BKTd, is_causal=True, enable_gqa=True)
+        return F.scaled_dot_product_attention(q_BHTd, k_BKTd, v_BKTd, attn_mask=mask, enable_gqa=True)
 
-    def forward(self, x_BTD, cos_Td, sin_Td):
+    def forward(self, x_BTD, cos_Td, sin_Td, doc_mask_B1TT=None):
         B, T, _ = x_BTD.shape
         q, k, v = self.qkv(x_BTD).split([self.H * self.d, self.K * self.d, self.K * self.d], dim=-1)
         q_BTHd, k_BTKd = q.view(B, T, self.H, self.d), k.view(B, T, self.K, self.d)
@@ -101,9 +103,18 @@ class Attention(nn.Module):
         k_BKTd = apply_rope(k_BTKd, cos_T1d, sin_T1d).transpose(1, 2)
         v_BKTd = v.view(B, T, self.K, self.d).transpose(1, 2)
         k_BKTd, v_BKTd = k_BKTd[:, :self.K_used], v_BKTd[:, :self.K_used]
-        if self.recompute: y_BHTd = checkpoint(self.core, q_BHTd, k_BKTd, v_BKTd, use_reentrant=False)
-        else: y_BHTd = self.core(q_BHTd, k_BKTd, v_BKTd)
+        if self.recompute: y_BHTd = checkpoint(self.core, q_BHTd, k_BKTd, v_BKTd, doc_mask_B1TT, use_reentrant=False)
+        else: y_BHTd = self.core(q_BHTd, k_BKTd, v_BKTd, doc_mask_B1TT)
         return self.out(y_BHTd.transpose(1, 2).reshape(B, T, self.H * self.d))
+
+# %% ../nbs/05_model.ipynb #889b414c
+def document_mask(tokens_BT: torch.Tensor, eod_id: int) -> torch.Tensor:
+    "Boolean (B, 1, T, T) mask, True where query t may attend to key s: s <= t and both in the same document."
+    eod_BT = (tokens_BT == eod_id).int()
+    doc_BT = eod_BT.cumsum(1) - eod_BT  # end tokens strictly before: the end token closes its own document
+    T = tokens_BT.shape[1]
+    return (doc_BT[:, :, None] == doc_BT[:, None, :])[:, None] & sliding_window_mask(T, T, tokens_BT.device)
+
 
 # %% ../nbs/05_model.ipynb #80c232b6
 class SwiGLU(nn.Module):
@@ -432,8 +443,8 @@ class Block(nn.Module):
         self.mlp_norm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
         self.mlp = MoE(cfg) if cfg.is_moe_layer(layer) else SwiGLU(cfg.hidden_size, cfg.dense_ffn)
 
-    def forward(self, x_BTD, cos_Td, sin_Td):
-        x_BTD = x_BTD + self.attn(self.attn_norm(x_BTD), cos_Td, sin_Td)
+    def forward(self, x_BTD, cos_Td, sin_Td, doc_mask_B1TT=None):
+        x_BTD = x_BTD + self.attn(self.attn_norm(x_BTD), cos_Td, sin_Td, doc_mask_B1TT)
         if isinstance(self.mlp, MoE):
             y_BTD, stats = self.mlp(self.mlp_norm(x_BTD))
             return x_BTD + y_BTD, stats
@@ -485,9 +496,9 @@ class Transformer(nn.Module):
         "Expert parallelism over `group`: every MoE layer keeps this rank's share of its routed experts."
         for moe in self.moe_layers(): moe.shard_experts(group)
 
-    def run_block(self, block, x_BTD):
-        if not self.recompute_blocks: return block(x_BTD, self.rope_cos, self.rope_sin)
-        return checkpoint(block, x_BTD, self.rope_cos, self.rope_sin, use_reentrant=False,
+    def run_block(self, block, x_BTD, doc_mask_B1TT):
+        if not self.recompute_blocks: return block(x_BTD, self.rope_cos, self.rope_sin, doc_mask_B1TT)
+        return checkpoint(block, x_BTD, self.rope_cos, self.rope_sin, doc_mask_B1TT, use_reentrant=False,
                           context_fn=lambda: (nullcontext(), not_counting(block)))
 
     def update_balance_bias(self) -> torch.Tensor | None:
@@ -500,9 +511,10 @@ class Transformer(nn.Module):
         if T > self.cfg.max_seq_len:
             raise ValueError(f"sequence of {T} tokens is longer than model.max_seq_len ({self.cfg.max_seq_len})")
         x_BTD = self.embed(tokens_BT)
+        doc_mask_B1TT = document_mask(tokens_BT, self.cfg.eod_id) if self.cfg.document_mask else None  # one for all layers
         stats = []
         for block in self.blocks:
-            x_BTD, layer_stats = self.run_block(block, x_BTD)
+            x_BTD, layer_stats = self.run_block(block, x_BTD, doc_mask_B1TT)
             if layer_stats is not None: stats.append(layer_stats)
         x_BTD = self.norm(x_BTD)
         head_VD = self.embed.weight if self.head is None else self.head.weight

@@ -133,6 +133,14 @@ def test_dense_model_rules():
     assert "n_experts is 0" in str(error_of(ModelConfig, **dense, dense_ffn=128, top_k=2))
 
 
+def test_document_mask_is_off_by_default_and_its_end_of_document_id_must_be_a_token():
+    raw = tiny_dict()
+    assert params_from_dict(raw).model.document_mask is False  # every existing run stays what it was
+    raw["model"] |= {"document_mask": True, "eod_id": raw["model"]["vocab_size"]}
+    message = str(error_of(params_from_dict, raw))
+    assert "model.eod_id" in message and "below vocab_size" in message
+
+
 def test_all_problems_are_reported_at_once(tmp_path):
     raw = tiny_dict()
     raw["model"]["top_k"] = 99

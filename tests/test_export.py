@@ -19,6 +19,7 @@ from marin_study.data.corpus import read_jsonl
 from marin_study.export import (ExportError, choose_architecture, export, export_layout, load_export, read_export,
                                 write_export)
 from marin_study.generate import greedy_reference
+from marin_study.hf_model import document_ids
 from marin_study.model import Transformer
 from marin_study.trainer.checkpoint import safe_loading, write_manifest
 from marin_study.trainer.checkpointer import load_weights
@@ -150,6 +151,37 @@ def test_global_layers_that_attend_with_fewer_kv_heads_export_with_our_logits_an
     dense = dataclasses.replace(cfg, n_experts=0, top_k=0, expert_ffn=0, n_shared_experts=0, shared_ffn=0, latent_dim=0,
                                 dense_ffn=192, sliding_window=0, tie_embeddings=True)
     assert "its global layers use fewer KV heads" in choose_architecture(dense)[1]
+
+
+def test_a_document_masked_model_exports_with_our_logits_and_generates_across_documents(pipeline, tmp_path):
+    "Issue 36: model.document_mask in the export, on windows of several documents, in a full forward and with a cache."
+    cfg = dataclasses.replace(pipeline["params"].model, vocab_size=2048, document_mask=True)
+    torch.manual_seed(0)
+    model = Transformer(cfg).eval()
+    record = write_export(cfg, model.state_dict(), tmp_path / "export", tokenizer_of(pipeline))
+    assert record["architecture"] == "MarinForCausalLM" and "keeps to documents" in record["why"]
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "export").eval()
+    assert hf.config.document_mask and hf.config.eod_token_id == cfg.eod_id == 0
+    ids = torch.randint(1, 2048, (2, cfg.max_seq_len), generator=torch.Generator().manual_seed(0))
+    ids[0, [40, 120]] = 0
+    ids[1, [100, 101, 200]] = 0  # an empty document too
+    plain = Transformer(dataclasses.replace(cfg, document_mask=False)).eval()
+    plain.load_state_dict(model.state_dict())
+    with torch.no_grad():
+        assert (hf(ids).logits - model(ids).logits).abs().max() < 1e-5
+        assert (plain(ids).logits - model(ids).logits).abs().max() > 1e-2  # so the windows do hold several documents
+        # a cache across an end token: each step gets the documents of everything so far, cached tokens included
+        cache = transformers.DynamicCache(config=hf.config)
+        hf(ids[:1, :116], cache=cache, use_cache=True)
+        ours = model(ids[:1, :126]).logits
+        for t in range(116, 126):
+            step = hf(ids[:1, t:t + 1], cache=cache, use_cache=True, document_ids=document_ids(ids[:1, :t + 1], 0))
+            assert (step.logits[0, -1] - ours[0, t]).abs().max() < 1e-5, t
+        with pytest.raises(ValueError, match="needs document_ids"): hf(ids[:1, 126:127], cache=cache, use_cache=True)
+    for end in (121, 135):  # a prompt that ends with the end token (the new text is a new document), one that does not
+        prompt = ids[:1, :end]  # past the sliding window of 128 as it decodes, so sliding layers drop cached keys
+        cached = hf.generate(prompt, max_new_tokens=12, min_new_tokens=12, do_sample=False)
+        assert cached[0, end:].tolist() == greedy_reference(model, prompt[0].tolist(), 12)
 
 
 def test_every_zero_stage_and_world_size_exports_the_same_model_and_round_trips_bit_exact(reference, pipeline, tmp_path):

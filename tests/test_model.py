@@ -15,6 +15,10 @@ from marin_study.hardware import cpu_bf16
 from marin_study.model import (MoE, RMSNorm, Transformer, router_topk_changes, sliding_window_mask, use_grouped_mm,
                                HAS_GROUPED_MM)
 
+
+from marin_study.model import (MoE, RMSNorm, Transformer, document_mask, sliding_window_mask, use_grouped_mm,
+                               use_recompute, HAS_GROUPED_MM)
+
 TINY = load_params(ROOT / "params/tiny.yaml").model
 PRESETS = ["tiny", "small", "node", "marin-535b-a23b"]
 
@@ -126,6 +130,61 @@ def test_sliding_window_hides_keys_outside_the_window():
         x2[0, s] += 1.0
         changed = not torch.allclose(local(x2, model.rope_cos, model.rope_sin)[0, t], base[0, t])
         assert changed == inside, f"key {s} for query {t}, window {w}"
+
+
+def packed(ends, T=200, seed=1):
+    "One window of T tokens whose documents end (with the end-of-document token, id 0) at positions `ends`."
+    window = tokens(1, T, seed) % (TINY.vocab_size - 1) + 1
+    window[0, ends] = 0
+    return window
+
+
+def test_document_mask_hides_the_earlier_documents_of_the_window():
+    "Issue 36: with model.document_mask a token's logits do not move when an earlier document is replaced."
+    a = packed([60, 130])
+    b = a.clone()
+    b[0, :60] = (b[0, :60] + 5) % (TINY.vocab_size - 1) + 1  # another first document, its end token kept
+    masked, plain = tiny_model(document_mask=True).eval(), tiny_model().eval()
+    with torch.no_grad():
+        la, lb = masked(a).logits, masked(b).logits
+        torch.testing.assert_close(la[:, 61:], lb[:, 61:], atol=1e-5, rtol=0)
+        assert not torch.allclose(la[:, :61], lb[:, :61], atol=1e-3)  # the first document itself changed
+        assert not torch.allclose(plain(a).logits[:, 61:], plain(b).logits[:, 61:], atol=1e-3)  # unmasked, it leaks
+
+
+def test_a_document_in_a_masked_window_has_the_logits_it_has_alone():
+    "Positions stay absolute in the window: RoPE's scores depend on distances only, so no document sees where it starts."
+    model = tiny_model(document_mask=True).eval()
+    window = packed([30, 170])
+    with torch.no_grad():
+        whole = model(window).logits
+        for start, end in ((0, 31), (31, 171), (171, 200)):
+            torch.testing.assert_close(model(window[:, start:end]).logits, whole[:, start:end], atol=2e-5, rtol=0)
+
+
+def test_document_mask_is_causal_within_the_document_and_the_end_token_closes_its_own():
+    mask = document_mask(torch.tensor([[4, 0, 4, 4, 0, 0, 4]]), eod_id=0)[0, 0]
+    documents = [0, 0, 1, 1, 1, 2, 3]
+    for t in range(7):
+        for s in range(7):
+            assert bool(mask[t, s]) == (s <= t and documents[s] == documents[t]), (t, s)
+
+
+@pytest.mark.parametrize("mode", ["selective", "full"])
+def test_document_mask_reaches_the_attention_recomputed_in_backward(mode):
+    "The mask is an argument of the checkpointed call, so backward re-runs attention with it: same loss and gradients."
+    window, targets = packed([60, 130]), packed([50, 140], seed=2)
+    grads = {}
+    for m in ("none", mode):
+        model = use_recompute(tiny_model(document_mask=True), m)
+        loss = model(window, targets).loss
+        loss.backward()
+        grads[m] = (loss.detach(), {n: p.grad for n, p in model.named_parameters()})
+    torch.testing.assert_close(grads[mode][0], grads["none"][0], atol=0, rtol=0)
+    for name, grad in grads["none"][1].items():
+        torch.testing.assert_close(grads[mode][1][name], grad, atol=1e-6, rtol=1e-5, msg=name)
+    unmasked = tiny_model()(window, targets).loss
+    assert not torch.allclose(unmasked, grads["none"][0])
 
 
 def naive_attention(attn, x_BTD, cos, sin):

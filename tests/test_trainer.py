@@ -355,6 +355,7 @@ def test_init_from_a_run_a_step_a_checkpoint_or_an_export_gives_that_checkpoints
     biases = [k for k in expected if k.endswith("balance_bias")]
     assert biases and any(expected[k].any() for k in biases)  # the balancing biases come with the weights
     assert all(torch.equal(trained.get_buffer(k), expected[k]) for k in biases)
+    from marin_study.config import load_params
     from marin_study.data.mixture import make_loader
     batch = next(iter(make_loader(params)))  # the first batch, which the source run trained on
     with torch.no_grad():
@@ -427,3 +428,25 @@ def test_a_capacity_logs_each_layers_drop_fraction_of_the_whole_expert_parallel_
         layers = [r[f"moe/layer{i}/drop_fraction"] for i in range(4)]
         assert all(0 <= d < 0.5 for d in layers) and r["moe/drop_fraction"] == pytest.approx(sum(layers) / 4)
     assert any(r["moe/drop_fraction"] > 0 for r in records)  # an untrained router is uneven between the two ranks
+
+
+def test_document_mask_reaches_the_heldout_evaluation_and_the_training_loss(params_file):
+    "Issue 36: evaluation and training run Transformer(params.model), so model.document_mask holds in both."
+    import dataclasses
+    from contextlib import nullcontext
+    from marin_study.config import load_params
+    from marin_study.model import Transformer
+    from marin_study.trainer.evaluation import HeldOut
+    p = load_params(params_file)
+    masked = dataclasses.replace(p, model=dataclasses.replace(p.model, document_mask=True))
+    heldout = HeldOut(masked, samples=4, rank=0, world_size=1)
+    window_BW = next(iter(heldout.windows.values()))[0].clamp(min=0)
+    assert (window_BW[:, 0] == p.model.eod_id).any()  # a document's first window starts after the end of the one before
+    results = {}
+    for params in (p, masked):
+        torch.manual_seed(0)
+        model = Transformer(params.model)
+        with torch.no_grad():
+            results[params.model.document_mask] = (heldout.evaluate(model, 2, nullcontext(), torch.device("cpu"))["eval/loss"],
+                                                   model(window_BW[:, :-1], window_BW[:, 1:]).loss.item())
+    assert results[True][0] != results[False][0] and results[True][1] != results[False][1]

@@ -161,5 +161,8 @@ def checked_shard_meta(params: Params, split: str = "train") -> dict:
     if meta["max_token_id"] >= vocab:
         raise DataError(f"{folder}: the shards hold token id {meta['max_token_id']:,} but model.vocab_size is {vocab:,} "
                         f"(ids must be below it); {fix}")
+    if params.model.document_mask and meta["eod_id"] != params.model.eod_id:
+        raise DataError(f"{folder}: documents end with token {meta['eod_id']} but model.eod_id is {params.model.eod_id}, "
+                        f"so model.document_mask would not see where they end; set model.eod_id: {meta['eod_id']}")
     return meta
 
