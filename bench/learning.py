@@ -1,13 +1,15 @@
 """Learning speed: tokens and minutes of training to a held-out bits-per-byte target, side by side, on the tiny rung.
 
-Each arm (a name and its params overrides; by default AdamW against Muon) trains params/tiny.yaml with
+Each arm (a name and its params overrides; by default AdamW, Muon, and Muon with document masking, each at its own
+learning rates whatever params/tiny.yaml says) trains params/tiny.yaml with
 `marin-study train` under torchrun on 2 processes, once per seed (the initialisation's and the data order's),
 evaluating the held-out sample every `--eval-every` steps. The target is the first arm's final held-out bits per
 byte, the highest of its seeds (so that each of them reaches it), unless `--target` names one. A run reaches the
 target at its first evaluation at or below it, linearly interpolated from the evaluation before; its minutes are the
-summed step times up to there (start-up and evaluation left out). Prints one line per run, one per arm, and
-`ratio: X`, the second arm's tokens to the target over the first's (below 1: the second learns faster). Needs the
-shards of `dvc repro pack`.
+summed step times up to there (start-up and evaluation left out). Prints one line per run, one per arm (with its
+tokens per second over the whole run), then `ratio <arm>: X` for every arm after the first, its tokens to the target
+over the first arm's (below 1: it learns faster), and last `ratio: X`, the second arm's. Needs the shards of
+`dvc repro pack`.
 """
 import argparse
 import json
@@ -21,7 +23,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
-ARMS = ["adamw:train.optimizer=adamw", "muon:train.optimizer=muon,train.lr=0.01,train.adam_lr=3e-3"]
+ADAMW = "train.optimizer=adamw,train.lr=3e-3,train.adam_lr=0"
+MUON = "train.optimizer=muon,train.lr=0.01,train.adam_lr=0.02"
+ARMS = [f"adamw:{ADAMW}", f"muon:{MUON}", f"muon-masked:{MUON},model.document_mask=true"]
 
 
 def train(params: str, run_dir: Path, sets: list[str]) -> list[dict]:
@@ -86,10 +90,14 @@ def main():
             print(f"{name}: {sum(r is not None for r in reached)} of {args.seeds} seeds reach the target")
             continue
         tokens[name] = statistics.mean(r[0] for r in reached)
+        rate = statistics.mean(rec[-1]["tokens"] / sum(r.get("step_time", 0) for r in rec)
+                               for rec in (runs[name, s] for s in range(args.seeds)))
         print(f"{name}: {tokens[name]:,.0f} tokens, {statistics.mean(r[1] for r in reached):.2f} min to the target "
-              f"(seeds: {', '.join(f'{r[0]:,.0f}' for r in reached)})")
-    if len(arms) > 1 and arms[1][0] in tokens and first in tokens:
-        print(f"ratio: {tokens[arms[1][0]] / tokens[first]:.3f}")
+              f"(seeds: {', '.join(f'{r[0]:,.0f}' for r in reached)}); {rate:,.0f} tokens/s")
+    if first in tokens:
+        for name, _ in arms[1:]:
+            if name in tokens: print(f"ratio {name}: {tokens[name] / tokens[first]:.3f}")
+        if len(arms) > 1 and arms[1][0] in tokens: print(f"ratio: {tokens[arms[1][0]] / tokens[first]:.3f}")
 
 
 if __name__ == "__main__":

@@ -52,6 +52,7 @@ KINDS = {"leak": "initial loss far below ln(vocab): the model already knows the 
          "noisy_eval": "held-out loss much noisier than training loss",
          "router_collapse": "MoE routing concentrated on a few experts for much of the run",
          "router_imbalance": "MoE routing overloading an expert for a stretch of steps, or leaving experts idle on most steps",
+         "router_drops": "routed rows dropped past the experts' capacity (model.capacity_factor), per MoE layer",
          "grad_spike": "a gradient norm many times its rolling median",
          "skipped_steps": "updates the trainer's guard rejected (non-finite or spiking loss or gradient norm)",
          "schedule": "a learning-rate phase change (end of warmup, start of decay) that explains a bend",
@@ -184,6 +185,7 @@ class Thresholds:
     grad_spike_ratio: float = 5.0 # a gradient norm this many times the median of the previous `window` steps
     idle_steps: float = 0.5       # router imbalance: some expert of a layer idle on more than this share of the steps
     slow_ratio: float = 0.7       # slow steps: tokens per second below this share of the rolling median
+    drop_warn: float = 0.01       # routed rows dropped past capacity: a layer's mean share above this is a warning
 
 def _robust_std(x) -> float:
     x = np.asarray(x, dtype=float)
@@ -448,6 +450,23 @@ def _router_findings(df, th) -> list[Finding]:
     named = {int(l) for f in collapse for l in str(f.evidence["layers"]).split(", ")}
     return collapse + _router_imbalance(df, th, named)
 
+# %% ../nbs/08_analysis.ipynb #fd0642c7
+def _router_drops(df, th) -> list[Finding]:
+    "The share of routed rows dropped past capacity, per MoE layer, over the steps that log it."
+    columns = {key[0]: c for c in df.columns if (key := parse_moe_layer_key(c)) and key[1] == "drop_fraction"}
+    if not columns or df[list(columns.values())].isna().all().all(): return []
+    mean = {layer: float(pd.to_numeric(df[c], errors="coerce").mean()) for layer, c in sorted(columns.items())}
+    worst = max(mean, key=mean.get)
+    logged = df.dropna(subset=list(columns.values()), how="all")["step"]
+    evidence = {"mean_drop_fraction": float(np.mean(list(mean.values()))), "worst_layer": worst,
+                "worst_layer_drop_fraction": mean[worst], "peak_step_drop_fraction": float(df[list(columns.values())].mean(axis=1).max())}
+    if mean[worst] > th.drop_warn:
+        return [Finding("router_drops", int(logged.iloc[0]), int(logged.iloc[-1]), "warning", evidence,
+                        "a layer drops many routed rows past its capacity: those tokens lose the expert's update; "
+                        "raise model.capacity_factor, or balance the load better (model.balance_rate)")]
+    return [Finding("router_drops", int(logged.iloc[0]), int(logged.iloc[-1]), "info", evidence,
+                    "rows dropped past capacity, within what the 535B run saw (0.018% to 2.67% of rows)")]
+
 # %% ../nbs/08_analysis.ipynb #0e4f0768
 def _schedule(df, th) -> list[Finding]:
     if "lr" not in df.columns or df["lr"].isna().all() or len(df) < 10: return []
@@ -498,7 +517,7 @@ def diagnose(df: pd.DataFrame, vocab_size: int | None = None, thresholds: Thresh
     if len(finite):
         stalled = _no_progress(finite, th)  # a curve that never fell is not a plateau
         findings += _leak(finite, vocab_size, th) + _spikes(finite, th) + (stalled or _plateau(finite, th)) + _schedule(finite, th) + _mixture(finite, th)
-        findings += _router_findings(finite, th) + _grad_spikes(finite, th) + _slow_steps(finite, th)
+        findings += _router_findings(finite, th) + _router_drops(finite, th) + _grad_spikes(finite, th) + _slow_steps(finite, th)
         findings += _eval_findings(df[np.isfinite(df["loss"].fillna(0))], th)
     return sorted(findings, key=lambda f: (f.start_step, f.kind))
 
@@ -531,14 +550,17 @@ def plot_router_load(df: pd.DataFrame, bins: int = 60):
     width = max(1, math.ceil((last - first + 1) / bins))
     binned = (long.assign(step=first + (long["step"] - first) // width * width)
               .groupby(["metric", "layer", "step"], as_index=False)["value"].mean())
-    fig, axes = plt.subplots(1, 3, figsize=(17, 3.8), gridspec_kw={"width_ratios": [1.6, 1, 1]})
+    panels = [("idle", "share of idle experts"), ("entropy", "load entropy / log(E): 1 is even")]
+    if (long["metric"] == "drop_fraction").any(): panels.append(("drop_fraction", "share of routed rows dropped"))
+    fig, axes = plt.subplots(1, 1 + len(panels), figsize=(6 + 5.5 * len(panels), 3.8),
+                             gridspec_kw={"width_ratios": [1.6] + [1] * len(panels)})
     heat = binned[binned["metric"] == "max_load"].pivot(index="layer", columns="step", values="value")
     if len(heat): sns.heatmap(heat, ax=axes[0], cmap="rocket_r", vmin=1, cbar_kws={"label": "busiest expert / mean"})
     axes[0].set(title="max load by MoE layer", ylabel="MoE layer", xlabel=f"step (bins of {width})" if width > 1 else "step")
-    for ax, metric, title in ((axes[1], "idle", "share of idle experts"), (axes[2], "entropy", "load entropy / log(E): 1 is even")):
+    for ax, (metric, title) in zip(axes[1:], panels):
         part = binned[binned["metric"] == metric]
         if len(part): sns.lineplot(part, x="step", y="value", hue="layer", palette="viridis", ax=ax)
-        ax.set(title=title, xlabel="step", ylabel=metric, ylim=(-0.02, 1.02))
+        ax.set(title=title, xlabel="step", ylabel=metric, ylim=(-0.02, 1.02) if metric != "drop_fraction" else (0, None))
     fig.tight_layout()
     return fig
 

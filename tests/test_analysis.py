@@ -385,6 +385,23 @@ def test_router_health_frame_and_plot():
     with pytest.raises(AnalysisError, match="no per-layer router keys"): plot_router_load(healthy(0))
 
 
+def test_drops_past_capacity_are_named_per_layer_and_warned_past_one_percent(tmp_path):
+    "Issue 36: a run with model.capacity_factor logs moe/layer<i>/drop_fraction; the report names them, through a file."
+    df = routed({}, layers=3)
+    for layer, share in enumerate([0.0002, 0.0005, 0.003]):
+        df[moe_layer_key(layer, "drop_fraction")] = share
+    df.to_json(tmp_path / "metrics.jsonl", orient="records", lines=True)
+    curves = load_curves(tmp_path / "metrics.jsonl")
+    (note,) = [f for f in diagnose(curves, VOCAB) if f.kind == "router_drops"]
+    assert note.severity == "info" and note.evidence["worst_layer"] == 2
+    assert note.evidence["mean_drop_fraction"] == pytest.approx((0.0002 + 0.0005 + 0.003) / 3)
+    df[moe_layer_key(1, "drop_fraction")] = np.where(df["step"] > 500, 0.05, 0.0)  # layer 1 drops 5% late in the run
+    (warned,) = [f for f in warnings(diagnose(df, VOCAB)) if f.kind == "router_drops"]
+    assert warned.evidence["worst_layer"] == 1 and "model.capacity_factor" in warned.action
+    assert not [f for f in diagnose(routed({}), VOCAB) if f.kind == "router_drops"]  # dropless runs say nothing
+    assert plot_router_load(df).axes[3].get_title() == "share of routed rows dropped"
+
+
 def test_text_where_a_number_belongs_names_the_file_line_and_column(tmp_path):
     (tmp_path / "text.csv").write_text("step,loss\n1,abc\n2,def\n")
     with pytest.raises(AnalysisError, match=r"text.csv:2: 'loss' is 'abc', not a number"): load_curves(tmp_path / "text.csv")

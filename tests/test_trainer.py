@@ -224,10 +224,11 @@ def test_learning_benchmark_finds_tokens_to_a_target_for_each_arm_and_prints_the
     result = run([sys.executable, str(ROOT / "bench/learning.py"), "--params", str(params_file), "--seeds", "1",
                   "--eval-every", "4"])
     lines = result.stdout.strip().splitlines()
-    assert [line.split(" seed ")[0] for line in lines[:2]] == ["adamw", "muon"], lines
-    target = float(lines[2].removeprefix("target: ").split()[0])
+    assert [line.split(" seed ")[0] for line in lines[:3]] == ["adamw", "muon", "muon-masked"], lines
+    target = float(lines[3].removeprefix("target: ").split()[0])
     assert target == float(lines[0].split("final held-out ")[1].split()[0])  # the first arm's final, one seed
-    assert lines[3].startswith("adamw: 8,192 tokens")  # it reaches its own final at its end: 8 steps x 8 x 128 tokens
+    assert lines[4].startswith("adamw: 8,192 tokens")  # it reaches its own final at its end: 8 steps x 8 x 128 tokens
+    assert [line.split(":")[0] for line in lines[-3:]] == ["ratio muon", "ratio muon-masked", "ratio"]
     assert float(lines[-1].removeprefix("ratio: ")) <= 1  # Muon reaches AdamW's final held-out loss, no later
 
 
