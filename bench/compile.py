@@ -2,9 +2,11 @@
 
 Both legs train the same model (params/tiny.yaml by default) from the same seed on the same batches of the trainer's
 own loader: forward, backward, clipping, an AdamW step and the balancing-bias update, with every core. The
-compiled leg wraps the model in `torch.compile` (the whole forward and backward; the optimizer step stays eager).
-Each leg runs `--steps` timed steps after `--warmup` untimed ones (the compiled leg's first steps compile; their time
-is printed apart). The compiled leg runs twice to see whether it is bit-reproducible on one machine, and its losses
+compiled leg wraps the model in `torch.compile` (the whole forward and backward; the optimizer step stays eager) and
+runs the experts one by one: dynamo cannot trace `torch._grouped_mm` in fp32 (its meta kernel in torch 2.13 accepts
+bf16 only), so the eager leg's grouped matmul is not open to it; a third leg runs eager on that same path. Each leg
+runs `--steps` timed steps after `--warmup` untimed ones (the compiled leg's first steps compile; their time is
+printed apart). The compiled leg runs twice to see whether it is bit-reproducible on one machine, and its losses
 are compared with eager's. Ends with `ratio: X`, compiled tokens/s over eager tokens/s (the kit adopts compile at
 >= 1.10, and only where it stays bit-reproducible and resumable).
 """
@@ -17,18 +19,18 @@ import torch
 
 from marin_study.config import load_params
 from marin_study.data.mixture import make_loader
-from marin_study.model import Transformer
+from marin_study.model import Transformer, use_grouped_mm
 from marin_study.trainer.optim import param_groups, peak_lr
 from marin_study.trainer.schedule import lr_at
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def leg(params, steps: int, warmup: int, compiled: bool) -> tuple[list[float], float, float]:
+def leg(params, steps: int, warmup: int, compiled: bool, grouped: bool = True) -> tuple[list[float], float, float]:
     "Losses of every step, seconds of the warmup steps, tokens per second of the timed ones."
     t = params.train
     torch.manual_seed(t.seed)
-    model = Transformer(params.model)
+    model = use_grouped_mm(Transformer(params.model), grouped and not compiled)
     optimizer = torch.optim.AdamW(param_groups(model, t), betas=(t.beta1, t.beta2), eps=t.eps)
     forward = torch.compile(model) if compiled else model
     accumulation = t.global_batch // t.micro_batch
@@ -64,6 +66,8 @@ def main():
           f"{params.train.dtype}, {torch.get_num_threads()} threads, torch {torch.__version__}")
     eager, eager_warm, eager_rate = leg(params, args.steps, args.warmup, compiled=False)
     print(f"eager: {eager_rate:,.0f} tokens/s, first {args.warmup} steps {eager_warm:.1f} s")
+    looped = leg(params, args.steps, args.warmup, compiled=False, grouped=False)[2]
+    print(f"eager, experts one by one (what the compiled leg runs): {looped:,.0f} tokens/s")
     runs = []
     for i in range(2):
         torch._dynamo.reset()

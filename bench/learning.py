@@ -24,7 +24,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
 ADAMW = "train.optimizer=adamw,train.lr=3e-3,train.adam_lr=0"
-MUON = "train.optimizer=muon,train.lr=0.01,train.adam_lr=0.02"
+MUON = "train.optimizer=muon,train.lr=0.01,train.adam_lr=0.06"
 ARMS = [f"adamw:{ADAMW}", f"muon:{MUON}", f"muon-masked:{MUON},model.document_mask=true"]
 
 

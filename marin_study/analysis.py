@@ -450,7 +450,7 @@ def _router_findings(df, th) -> list[Finding]:
     named = {int(l) for f in collapse for l in str(f.evidence["layers"]).split(", ")}
     return collapse + _router_imbalance(df, th, named)
 
-# %% ../nbs/08_analysis.ipynb #fd0642c7
+# %% ../nbs/08_analysis.ipynb #2807cfa4
 def _router_drops(df, th) -> list[Finding]:
     "The share of routed rows dropped past capacity, per MoE layer, over the steps that log it."
     columns = {key[0]: c for c in df.columns if (key := parse_moe_layer_key(c)) and key[1] == "drop_fraction"}
