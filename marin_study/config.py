@@ -230,7 +230,8 @@ class ModelConfig(Section):
             yield Problem("eod_id", f"{self.eod_id} is not below vocab_size ({self.vocab_size})",
                           "use the tokenizer's id of <|endoftext|> (0 for the kit's tokenizer)")
         if not self.is_moe:
-            for name in ("top_k", "expert_ffn", "n_shared_experts", "shared_ffn", "latent_dim", "n_dense_layers"):
+            for name in ("top_k", "expert_ffn", "n_shared_experts", "shared_ffn", "latent_dim", "n_dense_layers",
+                         "capacity_factor"):
                 if getattr(self, name):
                     yield Problem(name, f"is {getattr(self, name)} but n_experts is 0 (a dense model)",
                                   f"set {name}: 0, or give the model experts")

@@ -38,7 +38,8 @@ def _conditions(cfg: ModelConfig, bias_is_zero: bool) -> dict[str, list[tuple[bo
     uniform_kv = cfg.n_kv_heads_global in (0, cfg.n_kv_heads)
     routed = [(cfg.router == "softmax", "its router scores with a sigmoid"),
               (bias_is_zero, "its balancing bias is not zero, and changes which experts are chosen"),
-              (cfg.n_shared_experts == 0, "it has shared experts"), (cfg.latent_dim == 0, "its experts are latent")]
+              (cfg.n_shared_experts == 0, "it has shared experts"), (cfg.latent_dim == 0, "its experts are latent"),
+              (cfg.router_dtype == "float32", "its router's dot product is in bf16")]
     masked = (not cfg.document_mask, "its attention keeps to documents")  # no native class masks by document
     return {
         "LlamaForCausalLM": [masked, (not cfg.is_moe, "it is an MoE"), (not cfg.qk_norm, "it has QK-norm"),
@@ -84,6 +85,7 @@ def hf_config(cfg: ModelConfig, arch: str, eod_id: int):
                                       num_experts=cfg.n_experts, moe_intermediate_size=cfg.expert_ffn,
                                       n_shared_experts=cfg.n_shared_experts, shared_intermediate_size=cfg.shared_ffn,
                                       latent_dim=cfg.latent_dim, first_k_dense_replace=cfg.n_dense_layers, router=cfg.router,
+                                      router_dtype=cfg.router_dtype,
                                       num_global_key_value_heads=cfg.n_kv_heads_global or None,
                                       document_mask=cfg.document_mask, eod_token_id=eod_id, **routed)
         config.auto_map = {"AutoConfig": "modeling_marin.MarinConfig", "AutoModelForCausalLM": "modeling_marin.MarinForCausalLM"}

@@ -29,7 +29,7 @@ class MarinConfig(PreTrainedConfig):
                  rms_norm_eps=1e-5, qk_norm=False, sliding_window=None, layer_types=None, intermediate_size=512,
                  num_experts=0, num_experts_per_tok=0, moe_intermediate_size=0, n_shared_experts=0,
                  shared_intermediate_size=0, latent_dim=0, first_k_dense_replace=0, router="sigmoid",
-                 tie_word_embeddings=False, initializer_range=0.02, use_cache=True, num_global_key_value_heads=None,
+                 router_dtype="float32", tie_word_embeddings=False, initializer_range=0.02, use_cache=True, num_global_key_value_heads=None,
                  document_mask=False, eod_token_id=None, **kwargs):
         self.vocab_size, self.hidden_size, self.num_hidden_layers = vocab_size, hidden_size, num_hidden_layers
         self.num_attention_heads, self.num_key_value_heads, self.head_dim = num_attention_heads, num_key_value_heads, head_dim
@@ -41,6 +41,7 @@ class MarinConfig(PreTrainedConfig):
         self.moe_intermediate_size, self.n_shared_experts = moe_intermediate_size, n_shared_experts
         self.shared_intermediate_size, self.latent_dim = shared_intermediate_size, latent_dim
         self.first_k_dense_replace, self.router = first_k_dense_replace, router
+        self.router_dtype = router_dtype  # the router dot's precision, as the model trained: float32 or bfloat16
         self.initializer_range, self.use_cache = initializer_range, use_cache
         if document_mask and eod_token_id is None:
             raise ValueError("MarinConfig: document_mask needs eod_token_id, the token that ends each document")
@@ -149,6 +150,7 @@ class MarinMoE(nn.Module):
     def __init__(self, config: MarinConfig):
         super().__init__()
         self.k, self.score = config.num_experts_per_tok, config.router
+        self.router_dtype = getattr(torch, config.router_dtype)
         self.gate = nn.Linear(config.hidden_size, config.num_experts, bias=False)
         self.register_buffer("balance_bias", torch.zeros(config.num_experts, dtype=torch.float32))
         latent = config.latent_dim
@@ -161,7 +163,7 @@ class MarinMoE(nn.Module):
     def forward(self, x_BTD):
         B, T, D = x_BTD.shape
         x_ND = x_BTD.reshape(B * T, D)
-        logits_NE = F.linear(x_ND.float(), self.gate.weight.float())
+        logits_NE = F.linear(x_ND.to(self.router_dtype), self.gate.weight.to(self.router_dtype)).float()
         scores_NE = logits_NE.sigmoid() if self.score == "sigmoid" else logits_NE.softmax(dim=-1)
         _, experts_Nk = torch.topk(scores_NE + self.balance_bias.float(), self.k, dim=-1)
         weights_Nk = scores_NE.gather(1, experts_Nk)

@@ -553,12 +553,13 @@ def use_recompute(model: Transformer, mode: str) -> Transformer:
 @torch.no_grad()
 def router_topk_changes(model: Transformer, tokens_BT: torch.Tensor, dtype=torch.bfloat16) -> list[float]:
     "Per MoE layer, the share of tokens whose top-k expert set differs between an fp32 and a bf16 router dot."
-    inputs = []
+    inputs, was_training = [], model.training
     hooks = [moe.register_forward_pre_hook(lambda _, args: inputs.append(args[0])) for moe in model.moe_layers()]
-    try:
-        with torch.autocast(tokens_BT.device.type, dtype=dtype): model(tokens_BT)
+    try:  # in eval mode: a measurement must not count routed tokens towards the balancing bias, nor drop any
+        with torch.autocast(tokens_BT.device.type, dtype=dtype): model.eval()(tokens_BT)
     finally:
         for hook in hooks: hook.remove()
+        model.train(was_training)
     shares = []
     for moe, x_BTD in zip(model.moe_layers(), inputs):
         x_ND, own, sets = x_BTD.reshape(-1, x_BTD.shape[-1]), moe.router_dtype, []

@@ -131,6 +131,7 @@ def test_dense_model_rules():
     assert ModelConfig(**dense, dense_ffn=128).is_moe is False
     assert "needs an MLP width" in str(error_of(ModelConfig, **dense))
     assert "n_experts is 0" in str(error_of(ModelConfig, **dense, dense_ffn=128, top_k=2))
+    assert "capacity_factor" in str(error_of(ModelConfig, **dense, dense_ffn=128, capacity_factor=1.25))  # no experts to drop
 
 
 def test_document_mask_is_off_by_default_and_its_end_of_document_id_must_be_a_token():

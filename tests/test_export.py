@@ -153,6 +153,24 @@ def test_global_layers_that_attend_with_fewer_kv_heads_export_with_our_logits_an
     assert "its global layers use fewer KV heads" in choose_architecture(dense)[1]
 
 
+def test_a_bf16_router_exports_as_ours_and_picks_the_same_experts(pipeline, tmp_path):
+    "model.router_dtype: bfloat16 travels with the export: a native class would route in fp32 and pick other experts."
+    cfg = dataclasses.replace(pipeline["params"].model, vocab_size=2048, router_dtype="bfloat16", router="softmax",
+                              n_shared_experts=0, shared_ffn=0, latent_dim=0, sliding_window=0)  # else Mixtral's shape
+    torch.manual_seed(0)
+    model = Transformer(cfg).eval()
+    record = write_export(cfg, model.state_dict(), tmp_path / "export", tokenizer_of(pipeline))
+    assert record["architecture"] == "MarinForCausalLM" and "router's dot product is in bf16" in record["why"]
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "export").eval()
+    assert hf.config.router_dtype == "bfloat16"
+    ids = torch.randint(0, 2048, (2, cfg.max_seq_len), generator=torch.Generator().manual_seed(0))
+    fp32 = Transformer(dataclasses.replace(cfg, router_dtype="float32")).eval()
+    fp32.load_state_dict(model.state_dict())
+    with torch.no_grad():
+        assert (hf(ids).logits - model(ids).logits).abs().max() < 1e-5
+        assert (fp32(ids).logits - model(ids).logits).abs().max() > 1e-5  # some token's experts do change
+
+
 def test_a_document_masked_model_exports_with_our_logits_and_generates_across_documents(pipeline, tmp_path):
     "Issue 36: model.document_mask in the export, on windows of several documents, in a full forward and with a cache."
     cfg = dataclasses.replace(pipeline["params"].model, vocab_size=2048, document_mask=True)
