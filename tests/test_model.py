@@ -8,7 +8,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
 
-from conftest import ROOT
+from conftest import ROOT, free_port
 from marin_study.accounting import param_counts
 from marin_study.config import ModelConfig, load_params
 from marin_study.hardware import cpu_bf16
@@ -257,10 +257,7 @@ def _bias_worker(rank, port, out):
 
 
 def test_bias_update_sums_counts_across_data_parallel_ranks():
-    import socket
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     out = mp.Manager().dict()
     mp.spawn(_bias_worker, args=(port, out), nprocs=2)
     total = (out[0][0] + out[1][0]).float()
@@ -547,10 +544,7 @@ def _capacity_worker(rank, port, out):
 
 
 def test_expert_parallel_capacity_is_per_receiving_rank_counting_every_source():
-    import socket
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     out = mp.Manager().dict()
     mp.spawn(_capacity_worker, args=(port, out), nprocs=2)
     x_RND = [torch.randn(48, TINY.hidden_size, dtype=torch.float64, generator=torch.Generator().manual_seed(r)) for r in (0, 1)]
