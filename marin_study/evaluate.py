@@ -32,7 +32,7 @@ from .utils import atomic_write, progress, write_jsonl
 # %% auto #0
 __all__ = ['TASKS_DIR', 'REQUIRED', 'BUILDERS', 'EvalError', 'SuiteTask', 'load_suite', 'select_tasks', 'overlapping',
            'contamination', 'build_evalset', 'model_hash', 'flat_rows', 'evaluate', 'evaluate_run', 'newest_step',
-           'dvc_metrics', 'plot_ability', 'trainer_bpb']
+           'dvc_metrics', 'beyond_chance', 'plot_ability', 'trainer_bpb']
 
 # %% ../nbs/13d_evaluate.ipynb #e282698d
 TASKS_DIR = Path("evals/tasks")
@@ -175,7 +175,27 @@ def _completion(heldout: dict[str, list[str]], build: dict, rng: random.Random) 
                 candidates.append({"prompt": prompt, "target": line[cut:], "query": prompt + line[cut:]})
     return rng.sample(candidates, min(build.get("items", 150), len(candidates)))
 
-BUILDERS = {"documents": _documents, "cloze": _cloze, "choice": _choice, "completion": _completion}
+# %% ../nbs/13d_evaluate.ipynb #1a9ebf06
+def _order(heldout: dict[str, list[str]], build: dict, rng: random.Random) -> list[dict]:
+    n, items = build.get("words", 16), []
+    for domain in sorted(heldout):
+        docs = [(text, words) for text in heldout[domain] if len(words := list(_WORD.finditer(text))) >= n]
+        for _ in range(build.get("items_per_domain", 50) if docs else 0):
+            text, words = docs[rng.randrange(len(docs))]
+            start = rng.randrange(len(words) - n + 1)
+            span = words[start:start + n]
+            neighbours = [i for i in range(n - 1) if span[i].group() != span[i + 1].group()]
+            if not neighbours: continue
+            a, b = span[(i := rng.choice(neighbours))], span[i + 1]
+            real = text[span[0].start():span[-1].end()]
+            swapped = (text[span[0].start():a.start()] + b.group() + text[a.end():b.start()] + a.group()
+                       + text[b.end():span[-1].end()])
+            label = rng.randrange(2)
+            items.append({"domain": domain, "choices": [swapped, real] if label else [real, swapped], "label": label,
+                          "query": real})
+    return items
+
+BUILDERS = {"documents": _documents, "cloze": _cloze, "choice": _choice, "order": _order, "completion": _completion}
 
 # %% ../nbs/13d_evaluate.ipynb #b4c6d8e0
 def build_evalset(suite: dict[str, SuiteTask], clean_dir: str | os.PathLike, data_dir: str | os.PathLike | None = None,
@@ -466,6 +486,16 @@ def dvc_metrics(rows: list[dict]) -> dict:
         out.setdefault(r["task"], {})[r["metric"]] = r["value"]
         if r["stderr"] is not None: out[r["task"]][f"{r['metric']}_stderr"] = r["stderr"]
     return out
+
+def beyond_chance(rows: list[dict], sigmas: float = 3.0) -> pd.DataFrame:
+    """The newest step's scores that have a chance level: how many standard errors each lies beyond it, and whether
+    that is at least `sigmas`. A score of exactly chance with no spread (no item right) lies 0 beyond it."""
+    table = pd.DataFrame([r for r in newest_step(rows) if r.get("chance") is not None and r.get("stderr") is not None])
+    if table.empty: return table
+    gain = (table.value - table.chance) * table.higher_is_better.map({True: 1, False: -1})
+    table["sigmas"] = (gain / table.stderr.where(table.stderr > 0)).fillna(0.0)
+    table["beats chance"] = table.sigmas >= sigmas
+    return table.set_index(["task", "metric"])[["value", "stderr", "chance", "n", "sigmas", "beats chance"]]
 
 def plot_ability(rows: list[dict]):
     "Ability against tokens: one panel for the perplexity tasks' bits per byte, one per other task and metric."

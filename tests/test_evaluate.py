@@ -67,6 +67,10 @@ def test_the_suite_is_the_heldout_split_less_what_overlaps_training(pipeline, su
     assert choice and all(len(c["choices"]) == 4 and c["choices"][c["label"]] == c["query"][len(c["context"]):]
                           for c in choice)
     assert all(c["query"].endswith(" " + c["target"]) for c in items(data_dir / "cloze_books.jsonl"))
+    order = items(data_dir / "order_heldout.jsonl")  # the real passage, and the same characters in another order
+    assert order and all(c["choices"][c["label"]] == c["query"] and c["choices"][0] != c["choices"][1]
+                         and sorted(c["choices"][0]) == sorted(c["choices"][1]) for c in order)
+    assert {c["label"] for c in order} == {0, 1}
     again = build_evalset(load_suite(ROOT / "evals/tasks"), pipeline["root"] / "out/clean", data_dir / "again")
     assert again == counts and (data_dir / "again/choice_heldout.jsonl").read_bytes() == (data_dir / "choice_heldout.jsonl").read_bytes()
 
