@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import json
 import os
 import sys
 from dataclasses import dataclass
@@ -12,14 +13,14 @@ from pathlib import Path
 
 import torch
 
+from .data.corpus import read_jsonl
 from .export import ExportError, export_record
 from .model import Transformer
-import json
 from .utils import JsonLinesError, atomic_write, json_lines, progress
 
 # %% auto #0
 __all__ = ['greedy_reference', 'Sampling', 'load_generator', 'missing_files', 'generate_batch', 'read_prompts',
-           'finished_records', 'job_fingerprint', 'batch_seed', 'generate_file']
+           'finished_records', 'job_fingerprint', 'batch_seed', 'generate_file', 'domain_classifier', 'repetition']
 
 # %% ../nbs/13c_generate.ipynb #1b25f94d
 @torch.no_grad()
@@ -151,3 +152,28 @@ def generate_file(folder: str | os.PathLike, prompts_path: str | os.PathLike, ou
             os.fsync(f.fileno())
         generated += len(lines)
     return generated, len(prompts) - generated
+
+# %% ../nbs/13c_generate.ipynb #8957b6a9
+def domain_classifier(clean_dir: str | os.PathLike, chars_per_domain: int = 1_000_000, piece: int = 300, seed: int = 0):
+    "`predict(texts) -> [domain, ...]`: naive Bayes over words, fitted on `piece`-character pieces of each domain's training text."
+    import random
+    from sklearn.feature_extraction.text import CountVectorizer
+    from sklearn.naive_bayes import MultinomialNB
+    files = sorted(Path(clean_dir, "train").glob("*.jsonl"))
+    if not files: raise ExportError(f"{Path(clean_dir, 'train')}: no training documents; run `marin-study data clean PARAMS` first")
+    texts, domains = [], []
+    for path in files:
+        docs = [doc["text"] for doc in read_jsonl(path)]
+        random.Random(seed).shuffle(docs)  # a sample of the whole domain, not its first source
+        text = "\n".join(docs)[:chars_per_domain]
+        texts += [text[i:i + piece] for i in range(0, len(text), piece)]
+        domains += [path.stem] * (len(texts) - len(domains))
+    words = CountVectorizer(token_pattern=r"\w+|[^\w\s]")
+    model = MultinomialNB().fit(words.fit_transform(texts), domains)
+    return lambda batch: [str(d) for d in model.predict(words.transform(list(batch)))]
+
+def repetition(text: str, n: int = 3) -> float:
+    "The share of the word `n`-grams of `text` that already occurred earlier in it (0 when it has none)."
+    words = text.split()
+    grams = [tuple(words[i:i + n]) for i in range(len(words) - n + 1)]
+    return 1 - len(set(grams)) / len(grams) if grams else 0.0
