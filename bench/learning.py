@@ -23,9 +23,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
-ADAMW = "train.optimizer=adamw,train.lr=3e-3,train.adam_lr=0"
+ADAMW = "train.optimizer=adamw,train.lr=3e-3,train.adam_lr=0,model.document_mask=false"
 MUON = "train.optimizer=muon,train.lr=0.01,train.adam_lr=0.06"
-ARMS = [f"adamw:{ADAMW}", f"muon:{MUON}", f"muon-masked:{MUON},model.document_mask=true"]
+ARMS = [f"adamw:{ADAMW}", f"muon:{MUON},model.document_mask=false", f"muon-masked:{MUON},model.document_mask=true"]
 
 
 def train(params: str, run_dir: Path, sets: list[str]) -> list[dict]:
@@ -61,13 +61,14 @@ def main():
     ap.add_argument("--arm", action="append", metavar="NAME:KEY=VALUE,...",
                     help=f"an arm (default: {' and '.join(ARMS)})")
     ap.add_argument("--seeds", type=int, default=2)
+    ap.add_argument("--steps", type=int, help="steps of every run (default: the params'; the README's figures: 300)")
     ap.add_argument("--eval-every", type=int, default=25)
     ap.add_argument("--target", type=float,
                     help="held-out bits per byte (default: the first arm's final, its highest seed)")
     args = ap.parse_args()
     arms = [(spec.partition(":")[0], [s for s in spec.partition(":")[2].split(",") if s]) for spec in args.arm or ARMS]
     common = [f"train.eval_every={args.eval_every}", "train.log_every=1", "train.checkpoint_every=0",
-              "train.trackers=[]"]
+              "train.trackers=[]"] + ([f"train.steps={args.steps}"] if args.steps else [])
     runs = {}
     with tempfile.TemporaryDirectory() as tmp:
         for name, sets in arms:

@@ -29,7 +29,7 @@ CASES = {
                                    ["{d}/p.yaml", "UTF-8"]),
     "no such params file": ({}, ["params", "show", "{d}/none.yaml"], ["{d}/none.yaml", "does not exist"]),
     "a params path that is a folder": ({"folder.yaml/x": ""}, ["params", "show", "{d}/folder.yaml"], ["{d}/folder.yaml", "folder"]),
-    "a wrong type in the file": ({"p.yaml": TINY.replace("steps: 300", "steps: ten")}, ["params", "show", "{d}/p.yaml"],
+    "a wrong type in the file": ({"p.yaml": TINY.replace("steps: 800", "steps: ten")}, ["params", "show", "{d}/p.yaml"],
                                 ["{d}/p.yaml", "train.steps", "'ten'"]),
     "a wrong type in an override": ({}, ["params", "show", "params/tiny.yaml", "--set", "train.steps=abc"], ["train.steps", "'abc'"]),
     "an unknown section": ({"p.yaml": TINY.replace("model:", "modle:")}, ["params", "show", "{d}/p.yaml"], ["{d}/p.yaml", "modle"]),

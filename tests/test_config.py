@@ -42,9 +42,9 @@ def test_every_preset_loads_validates_and_round_trips(path, tmp_path):
 
 
 def test_exponent_floats_load_as_floats(tmp_path):
-    text = (ROOT / "params/tiny.yaml").read_text().replace("lr: 3.0e-3", "lr: 3e-4")
+    text = (ROOT / "params/tiny.yaml").read_text().replace("adam_lr: 3.0e-3", "adam_lr: 3e-4")
     params = load_params(write(tmp_path, text))
-    assert params.train.lr == 3e-4 and isinstance(params.train.lr, float)
+    assert params.train.adam_lr == 3e-4 and isinstance(params.train.adam_lr, float)
 
 
 def test_overrides_use_the_yaml_types_and_nested_keys():
@@ -97,7 +97,7 @@ def test_unknown_section_and_override_key_suggest():
     ("data.num_workers=-1", "data.num_workers", "out of range"),
     ("train.init_from=runs/a:last", "train.init_from", "must be followed by a step number"),
     ("train.init_from=:400", "train.init_from", "RUN_DIR is missing"),
-    ("train.profile={start: 299, steps: 5}", "train.profile", "past the run's 300 steps"),
+    ("train.profile={start: 799, steps: 5}", "train.profile", "past the run's 800 steps"),
     ("train.profile.flops=true", "train.profile", "but steps is 0 (profiling off)"),
     ("train.profile.stat=3", "train.profile.stat", "did you mean 'train.profile.start'"),
     ("train.target={eval/bpb: low}", "train.target.eval/bpb", "expected a number, got 'low'"),
@@ -136,6 +136,7 @@ def test_dense_model_rules():
 
 def test_document_mask_is_off_by_default_and_its_end_of_document_id_must_be_a_token():
     raw = tiny_dict()
+    del raw["model"]["document_mask"]  # the tiny study masks; a params file that says nothing does not
     assert params_from_dict(raw).model.document_mask is False  # every existing run stays what it was
     raw["model"] |= {"document_mask": True, "eod_id": raw["model"]["vocab_size"]}
     message = str(error_of(params_from_dict, raw))
@@ -217,7 +218,7 @@ def test_micro_batches_must_divide_each_ranks_share():
 
 
 def test_one_problem_is_one_line_naming_the_file_line_and_key(tmp_path):
-    path = write(tmp_path, (ROOT / "params/tiny.yaml").read_text().replace("  steps: 300", "  steps: many"))
+    path = write(tmp_path, (ROOT / "params/tiny.yaml").read_text().replace("  steps: 800", "  steps: many"))
     line = next(i for i, l in enumerate(path.read_text().splitlines(), 1) if "steps: many" in l)
     assert str(error_of(load_params, path)) == (f"{path}:{line}: train.steps: expected an integer, got 'many' "
                                                 "(fix: write steps as an integer)")
@@ -248,7 +249,7 @@ def test_paths_with_spaces_and_non_ascii_load_and_are_named_in_errors(tmp_path, 
     path.parent.mkdir()
     path.write_text((ROOT / "params/tiny.yaml").read_text())
     assert load_params(path) == load_params(ROOT / "params/tiny.yaml")
-    path.write_text(path.read_text().replace("  lr: 3.0e-3", "  lr: -1"))
+    path.write_text(path.read_text().replace("  adam_lr: 3.0e-3", "  adam_lr: -1"))
     assert str(error_of(load_params, path)).startswith(f"{path}:")
 
 

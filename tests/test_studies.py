@@ -67,7 +67,7 @@ def test_dvc_repro_runs_the_ladder_on_a_fresh_copy(project_copy):
 def test_changing_a_preset_reruns_the_ladder(project_copy):
     run(["dvc", "repro", "ladder"], cwd=project_copy)
     tiny = project_copy / "params/tiny.yaml"
-    tiny.write_text(tiny.read_text().replace("steps: 300", "steps: 600"))
+    tiny.write_text(tiny.read_text().replace("steps: 800", "steps: 600"))
     assert "Running stage 'ladder'" in run(["dvc", "repro", "ladder"], cwd=project_copy).stdout
     rows = {r["preset"]: r for r in csv.DictReader(open(project_copy / "reports/ladder.csv"))}
     assert int(rows["tiny"]["tokens"]) == load_params(tiny).train.tokens == 600 * 16 * 256
@@ -104,9 +104,10 @@ def screenshot_and_text(html: Path, tmp_path: Path) -> tuple[np.ndarray, str]:
 def test_dvc_repro_trains_the_tiny_study_reports_on_it_and_a_second_repro_resumes_its_run(project_copy, tmp_path):
     # the pipeline's mechanics, not the suite's numbers: 8 documents per task keep the two evaluations short
     stages = project_copy / "dvc.yaml"
-    stages.write_text(stages.read_text().replace("--every 100 --out", "--every 100 --limit 8 --out"))
-    preset = project_copy / "params/tiny.yaml"  # 200 steps, not 300: the same stages and checks, a minute sooner
-    preset.write_text(preset.read_text().replace("  steps: 300\n", "  steps: 200\n", 1))
+    stages.write_text(stages.read_text().replace("} --out runs/tiny/eval.json", "} --limit 8 --out runs/tiny/eval.json"))
+    preset = project_copy / "params/tiny.yaml"  # 200 steps, not 800, two of them evaluated: the same stages and checks
+    text = preset.read_text().replace("  steps: 800\n", "  steps: 200\n", 1)
+    preset.write_text(text.replace("permanent_every: 200", "permanent_every: 100"))
     # the project's DVC cache, as a team shares one: stages a `dvc repro` here already ran (the data stages, the eval
     # suite) come from its run cache in seconds, not 80 s (tests/test_data.py reruns them); training always runs,
     # since a persistent output is never restored from the run cache
