@@ -105,9 +105,9 @@ def test_dvc_repro_trains_the_tiny_study_reports_on_it_and_a_second_repro_resume
     # the pipeline's mechanics, not the suite's numbers: 8 documents per task keep the two evaluations short
     stages = project_copy / "dvc.yaml"
     stages.write_text(stages.read_text().replace("} --out runs/tiny/eval.json", "} --limit 8 --out runs/tiny/eval.json"))
-    preset = project_copy / "params/tiny.yaml"  # 200 steps, not 800, two of them evaluated: the same stages and checks
+    preset = project_copy / "params/tiny.yaml"  # 200 steps, not 800, and two checkpoints evaluated: the same checks
     text = preset.read_text().replace("  steps: 800\n", "  steps: 200\n", 1)
-    preset.write_text(text.replace("permanent_every: 200", "permanent_every: 100"))
+    preset.write_text(text.replace("permanent_every: 200", "permanent_every: 100").replace("eval_every: 100", "eval_every: 50"))
     # the project's DVC cache, as a team shares one: stages a `dvc repro` here already ran (the data stages, the eval
     # suite) come from its run cache in seconds, not 80 s (tests/test_data.py reruns them); training always runs,
     # since a persistent output is never restored from the run cache
