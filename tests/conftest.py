@@ -16,12 +16,19 @@ BIN = Path(sys.executable).parent  # the environment's scripts: marin-study, dvc
 
 
 def unexpected_in_tiny(findings) -> list[str]:
-    """The tiny study's findings that a healthy tiny run does not have. Its router honestly starts unbalanced (every
-    token in one expert until the balancing bias and the auxiliary loss split them, around step 100; layer 0 leaves an
-    expert idle on about half the steps) and the step at which the bias moves them has a gradient norm 20x the usual:
-    `router_imbalance`, and a `grad_spike` in the first 50 steps. Anything else (an error, a loss spike, a skipped
-    step, a plateau, a late collapse) is unexpected."""
-    expected = lambda f: f.kind == "router_imbalance" or (f.kind == "grad_spike" and f.end_step <= 50)
+    """The tiny study's findings that a healthy tiny run does not have. Trained with Muon its router starts balanced,
+    loads its busiest expert to 3-5x the mean around the end of warm-up and settles below 2x; some seeds stay above 2x
+    long enough to be reported as `router_imbalance`. The step after warm-up (41) has a gradient norm about 5x the
+    usual: a `grad_spike` in the first 50 steps. The guard may reject an isolated later spike (`skipped_steps`: at most
+    one step in 200, never two in a row). Anything else (an error, a loss spike, a plateau, a collapse) is unexpected."""
+    skipped = {int(s) for f in findings if f.kind == "skipped_steps" for s in f.evidence["steps"].split(", ") if s.isdigit()}
+
+    def expected(f):
+        if f.kind == "router_imbalance": return True
+        if f.kind == "grad_spike": return f.end_step <= 50 or f.start_step in skipped
+        if f.kind == "skipped_steps":  # isolated: its ranges are single steps
+            return f.evidence["skipped"] <= max(1, f.end_step // 200) and "-" not in f.evidence["steps"]
+        return False
     return [str(f) for f in findings if f.severity != "info" and not expected(f)]
 
 
