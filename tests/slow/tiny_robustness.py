@@ -1,7 +1,7 @@
 """The tiny study under perturbation: seeds x (the corpus as built here, the same corpus less a random 2% of its
 documents). Each run is the real study notebook (nbs/studies/train_tiny.ipynb, with its own asserts: stop half-way,
-reload, continue, loss and bits per byte fall, no skipped step) under papermill, followed by the loss report's
-findings, which must have no warning or error beyond the router's early imbalance (conftest.unexpected_in_tiny).
+reload, continue, loss and bits per byte fall, at most an isolated skipped step in 200) under papermill, followed by
+the loss report's findings, which must have no warning or error beyond those conftest.unexpected_in_tiny expects.
 Prints one row per run and the spread of the final numbers, and
 writes every run's loss and gradient-norm sequence to tests/data/tiny_healthy_runs.json, which
 tests/test_optim.py replays through the bad-step guard.
@@ -90,12 +90,15 @@ def main() -> int:
             findings = diagnose(curves, vocab_size=load_params(ROOT / PARAMS).model.vocab_size)
             bad = unexpected_in_tiny(findings)
             failures += [f"{name}: {f}" for f in bad]
+            skipped = curves["skipped"].eq(True) if "skipped" in curves else curves["step"] < 0
             sequences[name] = {"loss": [round(v, 6) for v in curves["loss"]],
-                               "grad_norm": [round(v, 6) for v in curves["grad_norm"]]}
+                               "grad_norm": [round(v, 6) for v in curves["grad_norm"]],
+                               "skipped": [int(s) for s in curves.loc[skipped, "step"]]}
             rows.append({**row, "status": "ok" if not bad else "report warns",
                          "train_loss_end": summary["train_loss_end"], "eval_bpb": summary["eval_bpb"],
                          "max_grad_norm_after_50": float(curves["grad_norm"][curves["step"] > 50].max()),
                          "late_max_load": float(curves["moe/max_load"][curves["step"] > 150].median()),
+                         "skipped": " ".join(map(str, sequences[name]["skipped"])) or "-",
                          "minutes": (time.perf_counter() - start) / 60})
             print(pd.DataFrame(rows[-1:]).to_string(index=False, header=len(rows) == 1), flush=True)
     table = pd.DataFrame(rows)
