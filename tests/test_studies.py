@@ -104,7 +104,8 @@ def screenshot_and_text(html: Path, tmp_path: Path) -> tuple[np.ndarray, str]:
 def test_dvc_repro_trains_the_tiny_study_reports_on_it_and_a_second_repro_resumes_its_run(project_copy, tmp_path):
     # the pipeline's mechanics, not the suite's numbers: 8 documents per task keep the two evaluations short
     stages = project_copy / "dvc.yaml"
-    stages.write_text(stages.read_text().replace("} --out runs/tiny/eval.json", "} --limit 8 --out runs/tiny/eval.json"))
+    assert stages.read_text().count("--batch-size 32") == 1
+    stages.write_text(stages.read_text().replace("--batch-size 32", "--batch-size 32 --limit 8"))
     preset = project_copy / "params/tiny.yaml"  # 200 steps, not 800, and two checkpoints evaluated: the same checks
     text = preset.read_text().replace("  steps: 800\n", "  steps: 200\n", 1)
     preset.write_text(text.replace("permanent_every: 200", "permanent_every: 100").replace("eval_every: 100", "eval_every: 50"))
