@@ -7,6 +7,7 @@ import dataclasses
 import hashlib
 import json
 import os
+import random
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -156,7 +157,6 @@ def generate_file(folder: str | os.PathLike, prompts_path: str | os.PathLike, ou
 # %% ../nbs/13c_generate.ipynb #8957b6a9
 def domain_classifier(clean_dir: str | os.PathLike, chars_per_domain: int = 1_000_000, piece: int = 300, seed: int = 0):
     "`predict(texts) -> [domain, ...]`: naive Bayes over words, fitted on `piece`-character pieces of each domain's training text."
-    import random
     from sklearn.feature_extraction.text import CountVectorizer
     from sklearn.naive_bayes import MultinomialNB
     files = sorted(Path(clean_dir, "train").glob("*.jsonl"))

@@ -6,7 +6,7 @@ Prints one row per run and the spread of the final numbers, and
 writes every run's loss and gradient-norm sequence to tests/data/tiny_healthy_runs.json, which
 tests/test_optim.py replays through the bad-step guard.
 
-    python tests/slow/tiny_robustness.py                       # 4 seeds x 2 corpora, about 90 minutes on 2 cores
+    python tests/slow/tiny_robustness.py                       # 4 seeds x 2 corpora, about 80 minutes on 2 cores
     python tests/slow/tiny_robustness.py --seeds 0 --corpora here
 """
 import argparse
