@@ -19,7 +19,7 @@ from pathlib import Path
 
 from .config import load_params
 from .launch import LaunchError, _preamble, slurm_errors, submit
-from .utils import atomic_write, progress, write_jsonl
+from .utils import JsonLinesError, atomic_write, progress, read_prompt_lines, write_jsonl
 
 # %% auto #0
 __all__ = ['NOT_SENT', 'BatchError', 'Prompt', 'parse_shard', 'read_batch_prompts', 'BatchSettings', 'job_id', 'side_file',
@@ -36,20 +36,6 @@ class Prompt:
     id: str | int
     request: dict    # {"prompt": text} or {"messages": [...]}
 
-def _problem(record) -> str | None:
-    "Why a JSON value is not a prompt record (None when it is one)."
-    if not isinstance(record, dict): return 'not a JSON object; write {"id": ..., "prompt": ...}'
-    if "id" not in record: return 'no "id"; give each line an id of its own'
-    if isinstance(record["id"], bool) or not isinstance(record["id"], (str, int)):
-        return f'"id" {record["id"]!r} is not a string or an integer'
-    kinds = {"prompt", "messages"} & set(record)
-    if len(kinds) != 1: return 'give either "prompt" (a text) or "messages" (a chat)' + (", not both" if kinds else "")
-    if "prompt" in record and not isinstance(record["prompt"], str): return '"prompt" is not a string'
-    if "messages" in record and not (isinstance(chat := record["messages"], list) and chat and all(
-            isinstance(m, dict) and {"role", "content"} <= set(m) for m in chat)):
-        return '"messages" is not a list of {"role", "content"} objects'
-    return None
-
 def parse_shard(text: str) -> tuple[int, int]:
     "'K/N' as (K, N): the K-th (from 0) of N shards."
     m = re.fullmatch(r"(\d+)/(\d+)", text.strip())
@@ -57,25 +43,10 @@ def parse_shard(text: str) -> tuple[int, int]:
         raise BatchError(f"--shard {text!r}: write K/N with 0 <= K < N, e.g. 3/8 (a Slurm array passes $SLURM_ARRAY_TASK_ID/N)")
     return int(m[1]), int(m[2])
 
-def read_batch_prompts(path: str | os.PathLike, shard: tuple[int, int] = (0, 1)) -> tuple[list[Prompt], list[str]]:
-    "The prompts of shard (K, N) of `path`, and a 'file:line: reason' for each bad line of that shard."
-    path, (k, n) = Path(path), shard
-    if not path.is_file():
-        raise BatchError(f'{path}: no such prompts file; write one JSON object per line, {{"id": ..., "prompt": ...}}')
-    prompts, bad, first = [], [], {}
-    for number, raw in enumerate(path.read_bytes().split(b"\n"), 1):
-        if not raw.strip(): continue
-        try: record = json.loads(raw.decode("utf-8"))
-        except UnicodeDecodeError as e: problem = f"invalid UTF-8 at byte {e.start}; re-encode the file as UTF-8"
-        except json.JSONDecodeError as e: problem = f"not valid JSON ({e.msg}, column {e.colno})"
-        else:
-            problem = _problem(record)
-            if problem is None and first.setdefault(str(record["id"]), number) != number:
-                problem = f"id {record['id']!r} already used on line {first[str(record['id'])]}; ids must be unique"
-        if (number - 1) % n != k: continue
-        if problem: bad.append(f"{path}:{number}: {problem}")
-        else: prompts.append(Prompt(number, record["id"], {key: record[key] for key in ("prompt", "messages") if key in record}))
-    return prompts, bad
+def read_batch_prompts(path: str | os.PathLike, shard: tuple[int, int] = (0, 1)) -> list[Prompt]:
+    "The prompts of shard (K, N) of `path`, once every line of the file is good (else JsonLinesError naming each bad one)."
+    k, n = shard
+    return [Prompt(line, key, request) for line, key, request in read_prompt_lines(path) if (line - 1) % n == k]
 
 # %% ../nbs/13g_batch.ipynb #b7a1c00a
 @dataclass(frozen=True)
@@ -216,7 +187,7 @@ def run_batch(prompts: str | os.PathLike, endpoint: str, out: str | os.PathLike,
         raise BatchError(f"--concurrency {concurrency}, --timeout {timeout:g}, --retries {retries}: "
                          "give at least 1 request at a time, a timeout above 0 s and 0 or more retries")
     k, n = parse_shard(shard) if shard else (0, 1)
-    every, bad = read_batch_prompts(prompts, (k, n))
+    every = read_batch_prompts(prompts, (k, n))
     out = shard_path(out, k, n) if shard else Path(out)
     from marin_study.serve import API_KEY_VARIABLE  # here: the server's module loads torch, which the client needs not
     async def run_all() -> dict:
@@ -236,7 +207,7 @@ def run_batch(prompts: str | os.PathLike, endpoint: str, out: str | os.PathLike,
         return {"prompts": str(prompts), "endpoint": endpoint, "out": str(out), "shard": shard and f"{k}/{n}",
                 "model": model, "job": job, "done": len(answers), "skipped": len(every) - len(todo), "merged": merged,
                 "failed": len(failures), "failed_by_reason": dict(Counter(f["reason"] for f in failures)),
-                "bad_lines": bad, **tokens, "wall_s": round(wall, 2), "requests_per_s": round(len(answers) / wall, 2),
+                **tokens, "wall_s": round(wall, 2), "requests_per_s": round(len(answers) / wall, 2),
                 "completion_tokens_per_s": round(tokens["completion_tokens"] / wall, 1)}
     summary = run_to_end(run_all())
     atomic_write(side_file(out, "summary.json"), json.dumps(summary, indent=1, ensure_ascii=False) + "\n")
@@ -244,20 +215,17 @@ def run_batch(prompts: str | os.PathLike, endpoint: str, out: str | os.PathLike,
 
 # %% ../nbs/13g_batch.ipynb #b7a1c01d
 def print_summary(summary: dict) -> int:
-    "Print a job's summary (bad lines and what to do on stderr); the exit code: 1 when lines were bad or requests failed."
-    s, bad = summary, summary["bad_lines"]
+    "Print a job's summary (failures and what to do on stderr); the exit code: 1 when requests failed."
+    s = summary
     print(f"{s['out']}: {s['done']} answered now, {s['skipped']} already there"
-          + (f" ({s['merged']} merged from shard files)" if s["merged"] else "") + f", {s['failed']} failed, {len(bad)} bad lines")
+          + (f" ({s['merged']} merged from shard files)" if s["merged"] else "") + f", {s['failed']} failed")
     for reason, count in s["failed_by_reason"].items(): print(f"  {count} failed: {reason}")
     print(f"  model {s['model']} (job {s['job']}): {s['prompt_tokens']:,} prompt and {s['completion_tokens']:,} completion "
           f"tokens in {s['wall_s']:g} s, {s['requests_per_s']:g} requests/s, {s['completion_tokens_per_s']:g} completion tokens/s")
-    for line in bad[:20]: print(f"marin-study: skipped {line}", file=sys.stderr)
-    if len(bad) > 20: print(f"marin-study: ... and {len(bad) - 20} more (all in {side_file(s['out'], 'summary.json')})", file=sys.stderr)
-    if bad: print(f"marin-study: fix the bad lines of {s['prompts']}, then rerun the same command to answer them", file=sys.stderr)
     if s["failed"]:
         print(f"marin-study: {s['failed']} requests failed ({side_file(s['out'], 'failed.jsonl')} says why); "
               "rerun the same command to retry them", file=sys.stderr)
-    return 1 if bad or s["failed"] else 0
+    return 1 if s["failed"] else 0
 
 # %% ../nbs/13g_batch.ipynb #b7a1c016
 def submit_batch(prompts: str | os.PathLike, endpoint: str, out: str | os.PathLike, tasks: int,
@@ -267,7 +235,7 @@ def submit_batch(prompts: str | os.PathLike, endpoint: str, out: str | os.PathLi
     "Submit the job as an array of `tasks` shards and a merge job after it (unless `dry_run`); the array script, job ids."
     if tasks < 1: raise BatchError(f"--slurm {tasks}: give the number of array tasks, at least 1")
     prompts, out = Path(prompts).absolute(), Path(out).absolute()
-    read_batch_prompts(prompts, (0, tasks))  # a missing file stops here; bad lines are each task's to report
+    read_batch_prompts(prompts, (0, tasks))  # a missing file or a bad line stops here, before anything is submitted
     launch = load_params(params, overrides)
     command = ["marin-study", "batch", str(prompts), "--endpoint", endpoint, "--out", str(out),
                "--concurrency", str(concurrency), "--timeout", str(timeout), "--retries", str(retries),

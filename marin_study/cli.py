@@ -4,11 +4,14 @@
 from __future__ import annotations
 
 import argparse
+import difflib
 import json
 import os
+import re
 import signal
 import sys
 import time
+from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
 import yaml
@@ -68,10 +71,10 @@ def _data_collect(args) -> None:
 def _data_clean(args) -> None:
     from marin_study.data.clean import clean_corpus, contamination
     p = load_params(args.params, args.set)
-    report = clean_corpus(p.data.dir, Path(p.data.out_dir) / "clean", p.data)
+    report = clean_corpus(p.data.path("dir"), p.data.path("out_dir") / "clean", p.data)
     for domain, c in report.items():
         print(f"{domain:7s} {c.get('raw_docs', 0):6,} docs -> {c.get('train_docs', 0):6,} train, {c.get('heldout_docs', 0):5,} held out")
-    if leaks := contamination(Path(p.data.out_dir) / "clean", p.data):
+    if leaks := contamination(p.data.path("out_dir") / "clean", p.data):
         raise DataError(f"{len(leaks)} training documents duplicate held-out ones, e.g. {leaks[0]}; lower data.dedup_threshold")
     print("contamination check: no training document duplicates a held-out one (exactly or nearly)")
 
@@ -82,7 +85,7 @@ def _data_tokenizer(args) -> None:
     if p.model.vocab_size < 257:
         raise DataError(f"{args.params}: model.vocab_size is {p.model.vocab_size}; a byte-level BPE needs at least 257 ids "
                         "(256 bytes and the end-of-document token)")
-    out = Path(p.data.out_dir)
+    out = p.data.path("out_dir")
     tokenizer = train_tokenizer(out / "clean", p.model.vocab_size, out / "tokenizer.json")
     ratio = bytes_per_token(tokenizer, out / "clean")
     remove_leftovers(out / "tokenizer_report.json")  # a killed run's temporary file beside it
@@ -93,7 +96,7 @@ def _data_tokenizer(args) -> None:
 def _data_pack(args) -> None:
     from marin_study.data.tokens import load_tokenizer, pack_shards, token_dtype
     p = load_params(args.params, args.set)
-    out = Path(p.data.out_dir)
+    out = p.data.path("out_dir")
     tokenizer = load_tokenizer(out / "tokenizer.json")
     dtype = token_dtype(tokenizer.get_vocab_size(), p.data.token_dtype)
     for split, meta in pack_shards(out / "clean", tokenizer, out / "shards", dtype).items():
@@ -101,7 +104,10 @@ def _data_pack(args) -> None:
 
 def _data_check(args) -> None:
     from marin_study.data.mixture import data_check
-    data_check(load_params(args.params, args.set))
+    from marin_study.data.tokens import checked_shard_meta
+    params = load_params(args.params, args.set)
+    checked_shard_meta(params, "train", args.params)  # shards that are missing or stale: the fix names this params file
+    data_check(params)
 
 # %% ../nbs/90_cli.ipynb #f6fe2de0
 def _fail(error: Exception | str, grace_s: float = 30) -> int:
@@ -122,17 +128,44 @@ def _profile_sets(spec: str | None) -> list[str]:
     start, _, steps = spec.partition(":")
     return [f"train.profile.start={start}", f"train.profile.steps={steps or 1}"]
 
+def _finished_at(run_dir: str, last: int) -> int | None:
+    "The step a resume would start from (the newest checkpoint that verifies) when it is at or past `last`, else None."
+    from marin_study.trainer.checkpoint import Checkpoints
+    checkpoints = Checkpoints(Path(run_dir) / "checkpoints")
+    if not any(step >= last for step in checkpoints.steps()): return None  # it will train: no checkpoint is hashed here
+    newest, _ = checkpoints.latest()  # the resume's own choice, so a damaged newest falls back as the resume would
+    step = int(newest.name.removeprefix("step-")) if newest else 0
+    return step if step >= last else None
+
 def _train(args) -> None:
     params = load_params(args.params, args.set + _profile_sets(args.profile))
-    from marin_study.trainer.processes import TrainError, say  # imported here: torch would slow every other command
-    procs, last = int(os.environ.get("WORLD_SIZE", 1)), min(args.until or params.train.steps, params.train.steps)
+    # Every refusal that needs no torch comes first, before the seconds torch, Accelerate and DeepSpeed take to import,
+    # and before anything is written: the layout, another experiment in the folder, a finished run, the data, the lock.
+    from marin_study.data.tokens import checked_shard_meta
+    from marin_study.trainer.processes import RunLock, TrainError, check_layout, check_same_experiment, say
+    procs, steps = int(os.environ.get("WORLD_SIZE", 1)), params.train.steps
+    last = min(args.until or steps, steps)
+    try:
+        check_layout(params, procs)
+        check_same_experiment(args.run_dir, params)  # before a finished run is called finished
+        if (step := _finished_at(args.run_dir, last)) is not None:
+            if int(os.environ.get("RANK", 0)) == 0:
+                print(f"marin-study: nothing to do: {args.run_dir} is at step {step} of {steps}"
+                      + (f" (--until {args.until})" if args.until and args.until < steps else ""))
+            return
+        for split in ("train", "heldout"): checked_shard_meta(params, split, args.params)
+        # one process takes the lock now; under a launcher rank 0 takes it once the processes have joined, and tells them
+        lock = RunLock(args.run_dir).acquire() if procs == 1 else None
+    except TrainError as e: raise SystemExit(_fail(e)) from None
     say(f"starting: {args.params} in {args.run_dir}, to step {last} on {procs} process{'es' if procs > 1 else ''}; "
         "step 1 comes once the processes, data, model and DeepSpeed are up (seconds to minutes)")
     from marin_study.trainer.optim import BadStepsError
     from marin_study.run_card import RunCard
     from marin_study.trainer.train import train
-    try: records = train(params, args.run_dir, until=args.until, callbacks=[RunCard()])
+    try: records = train(params, args.run_dir, until=args.until, callbacks=[RunCard()], lock=lock)
     except (TrainError, BadStepsError) as e: raise SystemExit(_fail(e)) from None
+    finally:
+        if lock: lock.release()  # a start refused before it wrote anything leaves no folder and no lock file
     if records and int(os.environ.get("RANK", 0)) == 0:
         last = records[-1]
         print(f"step {last['step']}: loss {last['loss']:.4f}" + (f", eval bpb {last['eval/bpb']:.4f}" if "eval/bpb" in last else "")
@@ -195,15 +228,20 @@ def _analyze(args) -> None:
     for path, findings in found.items():
         count = {s: sum(f.severity == s for f in findings) for s in ("error", "warning", "info")}
         print(f"{path}: {count['error']} error(s), {count['warning']} warning(s), {count['info']} note(s)")
-        for finding in sorted(findings, key=lambda f: ("error", "warning", "info").index(f.severity)): print(f"  {finding}")
+        for finding in sorted((f for f in findings if f.severity != "info"), key=lambda f: f.severity != "error"): print(f"  {finding}")
+        for kind in dict.fromkeys(f.kind for f in findings if f.severity == "info"):  # many notes of a kind: one line
+            notes = [f for f in findings if f.severity == "info" and f.kind == kind]
+            if len(notes) <= 2: print(*(f"  {f}" for f in notes), sep="\n")
+            else: print(f"  [info] {kind} at {len(notes)} stretches, steps " + ", ".join(
+                str(f.start_step) if f.start_step == f.end_step else f"{f.start_step}-{f.end_step}" for f in notes) + f". {notes[0].action}")
     if any(f.severity == "error" for findings in found.values() for f in findings): raise SystemExit(1)
 
 # %% ../nbs/90_cli.ipynb #c6e8a0b2
 def _data_evalset(args) -> None:
     from marin_study.evaluate import EvalError, build_evalset, load_suite
     p = load_params(args.params, args.set)
-    out = Path(p.data.out_dir) / "evalset"
-    try: counts = build_evalset(load_suite(), Path(p.data.out_dir) / "clean", out, p.data.seed, p.data.decontam_ngram,
+    out = p.data.path("out_dir") / "evalset"
+    try: counts = build_evalset(load_suite(), p.data.path("out_dir") / "clean", out, p.data.seed, p.data.decontam_ngram,
                                 p.data.decontam_fraction)
     except EvalError as e: raise SystemExit(_fail(e)) from None
     for task, c in counts.items():
@@ -221,7 +259,11 @@ def _launch_slurm(args) -> None:
 
 def _launch_sweep(args) -> None:
     from marin_study.launch import launch_sweep, parse_grid, read_sweep
-    raw = yaml.safe_load(Path(args.file).read_text(encoding="utf-8")) if Path(args.file).is_file() else None
+    try: raw = yaml.safe_load(Path(args.file).read_text(encoding="utf-8")) if Path(args.file).is_file() else None
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        raise LaunchError(f"{args.file}{f':{mark.line + 1}' if mark else ''}: not valid YAML ({getattr(e, 'problem', e)}); "
+                          "fix the syntax there (a sweep file maps params, notebook and grid)") from None
     if isinstance(raw, dict) and "grid" in raw:  # a sweep file; --grid and --notebook refine it
         params, notebook, grid = read_sweep(args.file)
     else:
@@ -258,12 +300,15 @@ def _export(args) -> None:
     print(f"exported step {record['step']} of {args.run_dir} to {args.out} as {record['why']}")
 
 def _generate(args) -> None:
-    from marin_study.export import ExportError
-    from marin_study.generate import Sampling, generate_batch, generate_file, load_generator
-    from marin_study.utils import JsonLinesError
-    sampling = Sampling(args.max_new_tokens, args.temperature, args.top_p, args.top_k, args.repetition_penalty, args.seed)
+    from marin_study.utils import JsonLinesError, read_prompt_lines
     if (args.prompt is None) == (args.prompts is None) or (args.prompts is not None) != (args.out is not None):
         raise SystemExit(_fail(ValueError("give either --prompt TEXT, or --prompts FILE.jsonl with --out FILE.jsonl")))
+    try:
+        if args.prompts: read_prompt_lines(args.prompts)  # a missing or bad file is refused before the seconds of imports
+    except JsonLinesError as e: raise SystemExit(_fail(e)) from None
+    from marin_study.export import ExportError
+    from marin_study.generate import Sampling, generate_batch, generate_file, load_generator
+    sampling = Sampling(args.max_new_tokens, args.temperature, args.top_p, args.top_k, args.repetition_penalty, args.seed)
     try:
         if args.prompts:
             made, skipped = generate_file(args.export_dir, args.prompts, args.out, sampling, args.batch_size)
@@ -276,7 +321,7 @@ def _generate(args) -> None:
 # %% ../nbs/90_cli.ipynb #e8c2d4f6
 def _eval(args) -> None:
     import pandas as pd
-    from marin_study.evaluate import EvalError, evaluate, evaluate_run
+    from marin_study.evaluate import EvalError, eval_out, evaluate, evaluate_run
     from marin_study.export import ExportError
     from marin_study.serve import API_KEY_VARIABLE
     target = Path(args.target)
@@ -293,7 +338,7 @@ def _eval(args) -> None:
     except (EvalError, ExportError) as e: raise SystemExit(_fail(e)) from None
     columns = [c for c in ("step", "task", "metric", "value", "stderr", "chance", "n", "contaminated") if c in rows[0]]
     print(pd.DataFrame(rows)[columns].to_string(index=False, float_format="{:.4g}".format))
-    out = Path(args.out) if args.out else (target / "eval.json")
+    out = Path(args.out) if args.out else eval_out(target)
     print(f"{len(rows)} results in {out} (lm-eval {rows[0]['lm_eval_version']}, model {rows[0]['model_hash'][:12]})")
 
 def _compare_samples(args) -> None:
@@ -356,9 +401,25 @@ def _doctor(args) -> None:
 class _Parser(argparse.ArgumentParser):
     "argparse, its usage errors in the kit's form: `marin-study: error: ...`, exit status 2, from rank 0 only."
     def error(self, message: str):
+        if m := re.search(r"invalid choice: '([^']*)' \(choose from (.*)\)", message):  # a mistyped command
+            if close := difflib.get_close_matches(m[1], re.findall(r"'([^']*)'", m[2]), n=1):
+                message += f"; did you mean '{close[0]}'?"
         if int(os.environ.get("RANK", 0)) == 0: self.print_usage(sys.stderr)
         where = self.prog.partition(" ")[2]  # the subcommand, e.g. "train"
         raise SystemExit(_fail(f"{where}: {message}" if where else message))
+
+def _with_defaults(ap: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    "Every option's default in its `--help`, in this parser and every subcommand's, unless its help already says it."
+    for action in ap._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for sub in action.choices.values(): _with_defaults(sub)
+        elif not _says_nothing(action.default) and "default" not in (action.help or ""):
+            action.help = f"{action.help or ''} (default: %(default)s)".strip()
+    return ap
+
+def _says_nothing(default) -> bool:
+    "A default not worth printing: none, an off switch, an empty list, or argparse's own."
+    return default is None or default is False or default is argparse.SUPPRESS or default == []
 
 def _at_least_one(text: str) -> int:
     "An argparse type: a whole number of at least 1 (a count of GPUs, a step, a number of rows)."
@@ -377,6 +438,9 @@ def _folder(text: str) -> str:
 # %% ../nbs/90_cli.ipynb #b2d34797
 def parser() -> argparse.ArgumentParser:
     ap = _Parser(prog="marin-study", description="Study, validate and launch MoE pretraining.")
+    try: installed = version("marin-study")  # the package's metadata: marin_study/__init__.py is no chapter's
+    except PackageNotFoundError: installed = "(not installed)"
+    ap.add_argument("--version", action="version", version=f"%(prog)s {installed}")
     ap.add_argument("--local_rank", "--local-rank", type=int, help=argparse.SUPPRESS)  # the deepspeed launcher adds it
     sub = ap.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
@@ -452,7 +516,7 @@ def parser() -> argparse.ArgumentParser:
                        help="print the script, check the params (and the partition, where Slurm answers), submit nothing")
     slurm.set_defaults(run=_launch_slurm)
     sweep = launch.add_parser("sweep", help="a Slurm job array: one papermill run of a study per grid point, then a summary")
-    sweep.add_argument("file", help="a params file (with --grid), or a sweep file such as params/sweeps/lr.yaml")
+    sweep.add_argument("file", help="a params file (with --grid), or a sweep file such as params/sweeps/tiny_lr.yaml")
     sweep.add_argument("--grid", action="append", default=[], metavar="KEY=V1,V2",
                        help="train.lr=1.0e-3,3.0e-3 overrides params; a key without a dot is a notebook parameter")
     sweep.add_argument("--notebook", help=f"the study (default: the sweep file's, else {DEFAULT_SWEEP_NOTEBOOK})")
@@ -477,7 +541,7 @@ def parser() -> argparse.ArgumentParser:
 
     book = sub.add_parser("book", help="execute the library chapters and render them as an offline HTML book")
     book.add_argument("--nbs", default="nbs", help="the chapters' folder (default: nbs)")
-    book.add_argument("--out", default="reports/book", help="where to write the book (default: reports/book)")
+    book.add_argument("--out", default="runs/book", help="where to write the book (the book stage's is reports/book, a DVC output)")
     book.add_argument("--kernel", default="marin-study", help="the Jupyter kernel that runs the chapters")
     book.set_defaults(run=_book)
 
@@ -496,27 +560,28 @@ def parser() -> argparse.ArgumentParser:
     gen.add_argument("--prompt", help="one prompt; its continuation is printed")
     gen.add_argument("--prompts", help="a JSON-lines file of {\"id\", \"prompt\"} (or \"messages\") to generate in batches")
     gen.add_argument("--out", help="JSON-lines results of --prompts; a rerun skips the ids already there")
-    gen.add_argument("--max-new-tokens", type=int, default=64)
+    gen.add_argument("--max-new-tokens", type=_at_least_one, default=64, help="tokens to add to each prompt")
     gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     gen.add_argument("--top-p", type=float, default=1.0)
     gen.add_argument("--top-k", type=int, default=0)
     gen.add_argument("--repetition-penalty", type=float, default=1.0)
     gen.add_argument("--seed", type=int, default=0)
-    gen.add_argument("--batch-size", type=int, default=8)
+    gen.add_argument("--batch-size", type=_at_least_one, default=8, help="prompts decoded together")
     gen.set_defaults(run=_generate)
 
     ev = sub.add_parser("eval", help="run the lm-eval task suite on an export, or on a run's kept checkpoints")
     ev.add_argument("target", help="an export folder, or a run folder (it holds checkpoints/) to evaluate across training")
     ev.add_argument("--tasks", action="extend", default=[], type=lambda s: [t for t in s.split(",") if t], metavar="T,...",
                     help="task names or tags of the suite (default: all; tags: marin, marin_ppl, marin_ability)")
-    ev.add_argument("--limit", type=int, help="at most this many documents per task")
-    ev.add_argument("--every", type=int, help="with a run folder: the kept checkpoints whose step is a multiple of this")
-    ev.add_argument("--out", help="eval.json's path (default: in the export or run folder); lm-eval's results go beside it")
+    ev.add_argument("--limit", type=_at_least_one, help="at most this many documents per task")
+    ev.add_argument("--every", type=_at_least_one, help="with a run folder: the kept checkpoints whose step is a multiple of this")
+    ev.add_argument("--out", help="the rows' JSON file (default: runs/evals/NAME.json, NAME from TARGET's path, as "
+                    "runs/tiny/export -> tiny-export; never in or beside TARGET, a DVC output); lm-eval's results go beside it")
     ev.add_argument("--backend", choices=["hf", "kit", "served"], default="hf",
                     help="transformers' model (default), our Transformer, or the export served at --endpoint")
     ev.add_argument("--endpoint", help="an OpenAI-compatible server of the export, e.g. http://127.0.0.1:8000/v1")
     ev.add_argument("--api-key", help="with --endpoint: the server's key (default: $MARIN_STUDY_API_KEY)")
-    ev.add_argument("--batch-size", type=int, default=8)
+    ev.add_argument("--batch-size", type=_at_least_one, default=8, help="documents scored together")
     ev.add_argument("--device", help="cpu or cuda (default: cuda when present)")
     ev.add_argument("--seed", type=int, default=0)
     ev.add_argument("--train-data", help="training documents to check the tasks against (default: the export's record)")
@@ -529,11 +594,11 @@ def parser() -> argparse.ArgumentParser:
     cmp.add_argument("--out", help="the sheet's folder: sheet.jsonl to rate, key.json and the samples beside it")
     cmp.add_argument("--unblind", metavar="DIR", help="a rated sheet's folder: print A's preference rate and its 95%% CI")
     cmp.add_argument("--prompts", default="evals/prompts/blind.jsonl", help="the fixed prompt set (default: %(default)s)")
-    cmp.add_argument("--max-new-tokens", type=int, default=48)
+    cmp.add_argument("--max-new-tokens", type=_at_least_one, default=48, help="tokens to add to each prompt")
     cmp.add_argument("--temperature", type=float, default=0.8)
     cmp.add_argument("--top-p", type=float, default=0.95)
     cmp.add_argument("--seed", type=int, default=0, help="the sampling seed and the sheet's shuffle")
-    cmp.add_argument("--batch-size", type=int, default=8)
+    cmp.add_argument("--batch-size", type=_at_least_one, default=8, help="prompts decoded together")
     cmp.set_defaults(run=_compare_samples)
 
     srv = sub.add_parser("serve", help="serve an export over an OpenAI-compatible HTTP API (completions, chat, streaming)")
@@ -543,7 +608,7 @@ def parser() -> argparse.ArgumentParser:
     srv.add_argument("--served-model-name", help="the model id clients name (default: EXPORT_DIR as given)")
     srv.add_argument("--api-key", help="require this key on every route (default: $MARIN_STUDY_API_KEY, else none)")
     srv.add_argument("--device", help="cpu or cuda (default: cuda when present)")
-    srv.add_argument("--max-batch", type=int, default=16, help="the most sequences decoded together (default: %(default)s)")
+    srv.add_argument("--max-batch", type=_at_least_one, default=16, help="the most sequences decoded together (default: %(default)s)")
     srv.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     srv.set_defaults(run=_serve)
 
@@ -551,12 +616,12 @@ def parser() -> argparse.ArgumentParser:
     bt.add_argument("prompts", help='a JSON-lines file of {"id", "prompt"} or {"id", "messages"}')
     bt.add_argument("--endpoint", required=True, help="the API's base URL, e.g. http://127.0.0.1:8000/v1")
     bt.add_argument("--out", required=True, help="JSON-lines answers, one per id; a rerun skips those there and retries failures")
-    bt.add_argument("--concurrency", type=int, default=8, help="requests in flight at once (default: %(default)s)")
+    bt.add_argument("--concurrency", type=_at_least_one, default=8, help="requests in flight at once (default: %(default)s)")
     bt.add_argument("--timeout", type=float, default=60.0, help="seconds for each try of a request (default: %(default)s)")
     bt.add_argument("--retries", type=int, default=3, help="retries of a failed request, with backoff (default: %(default)s)")
     bt.add_argument("--api-key", help="the endpoint's key (default: $MARIN_STUDY_API_KEY, else none)")
     bt.add_argument("--model", help="the model to ask for (default: the first the endpoint lists)")
-    bt.add_argument("--max-tokens", type=int, default=64)
+    bt.add_argument("--max-tokens", type=_at_least_one, default=64, help="tokens to ask for in each answer")
     bt.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     bt.add_argument("--top-p", type=float, default=1.0)
     bt.add_argument("--seed", type=int, help="sent with every request (default: none; marin-study serve decodes a seeded request alone)")
@@ -573,10 +638,14 @@ def parser() -> argparse.ArgumentParser:
     doc.add_argument("--run-dir", help="the run folder to check (default: runs/PARAMS-NAME); it need not exist yet")
     doc.add_argument("--json", action="store_true", help="print one JSON object: ok, counts and the checks (name, status, detail, fix)")
     doc.set_defaults(run=_doctor)
-    return ap
+    return _with_defaults(ap)
 
 # %% ../nbs/90_cli.ipynb #3615755b
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv:  # no command at all: the list of commands, not an error
+        parser().print_help()
+        return 0
     args = parser().parse_args(argv)
     try: args.run(args)
     except (ConfigError, StudyError, DataError, HardwareError, PlanError, LaunchError) as e: return _fail(e)

@@ -23,8 +23,8 @@ from .utils import atomic_write, split_assignment
 # %% auto #0
 __all__ = ['DEFAULT_FILTERS', 'SECTIONS', 'REQUIRED_SECTIONS', 'YamlLoader', 'YamlDumper', 'parse_value', 'Problem',
            'ConfigError', 'Section', 'ModelConfig', 'MixturePhase', 'DataConfig', 'split_init_from', 'ProfileConfig',
-           'TrainConfig', 'ParallelConfig', 'LaunchConfig', 'Params', 'params_from_dict', 'load_params', 'dump_params',
-           'save_params']
+           'TrainConfig', 'ParallelConfig', 'LaunchConfig', 'Params', 'params_from_dict', 'load_params', 'project_root',
+           'dump_params', 'save_params']
 
 # %% ../nbs/02_config.ipynb #6fe14b2f
 _YAML12 = [  # (tag, pattern, first characters): YAML 1.2 core schema
@@ -291,6 +291,14 @@ class DataConfig(Section):
     decontam_fraction: float = _f(0.3, gt=0, le=1)  # drop a training document with this share of its n-grams held out
     token_dtype: Literal["auto", "uint16", "uint32"] = "auto"
     num_workers: int = _f(0, ge=0)         # training loader processes per rank (0 = in the trainer); same batches for any
+
+    def path(self, key: Literal["dir", "out_dir"]) -> Path:
+        """`dir` or `out_dir` as a path to open from the working directory: a relative one that a params file gave is
+        relative to the file's project (`load_params` notes it), one from `--set` or from code to the working directory."""
+        value, root = Path(getattr(self, key)), getattr(self, "_roots", {}).get(key)
+        if value.is_absolute() or root is None: return value
+        here = Path.cwd()  # inside the project: a relative path, as portable in what is printed as the one written
+        return Path(os.path.relpath(root / value)) if root == here or root in here.parents else root / value
 
     @property
     def phases(self) -> list[MixturePhase]:
@@ -608,7 +616,7 @@ def _yaml_problem(error: yaml.YAMLError, text: str) -> tuple[Problem, int | None
 # %% ../nbs/02_config.ipynb #1b8c4d66
 def _corpus_problems(data: DataConfig) -> list[Problem]:
     "Mixture and filter-override domains that the corpus collected in `data.dir` lacks."
-    manifest = Path(data.dir) / "SOURCES.json"
+    manifest = data.path("dir") / "SOURCES.json"
     try: domains = sorted({str(s["domain"]) for s in json.loads(manifest.read_text(encoding="utf-8"))})
     except (OSError, ValueError, TypeError, KeyError): return []  # no corpus (yet), or not the kit's: the data commands judge it
     named = [(f"data.mixture.{d}" if isinstance(data.mixture, dict) else "data.mixture", d) for p in data.phases for d in p.weights]
@@ -639,8 +647,15 @@ def load_params(path: str | os.PathLike, overrides: list[str] | None = None) -> 
     if isinstance(raw, dict):
         for override in overrides or []: _apply_override(raw, override, origins, problems)
     params = params_from_dict(raw, source, origins, problems)
+    root, typed = project_root(path), {o.partition("=")[0].strip() for o in overrides or []}
+    params.data._roots = {k: None if typed & {"data", f"data.{k}"} else root for k in ("dir", "out_dir")}
     if problems := _corpus_problems(params.data): raise ConfigError(problems, source, origins)
     return params
+
+def project_root(params_file: str | os.PathLike) -> Path | None:
+    "The project a params file belongs to: the nearest folder at or above the file's own that holds a dvc.yaml."
+    folder = Path(params_file).resolve().parent  # a params/ folder alone is no mark: a user's home may hold one
+    return next((f for f in (folder, *folder.parents) if (f / "dvc.yaml").is_file()), None)
 
 def dump_params(params: Params) -> str:
     "YAML text that `load_params` reads back to an equal `Params`."

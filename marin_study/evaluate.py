@@ -27,12 +27,12 @@ from .export import ExportError, export, export_record, load_export
 from .trainer.checkpoint import Checkpoints
 from .trainer.evaluation import HeldOut
 from .trainer.metrics import EVAL_BPB, domain_key
-from .utils import atomic_write, progress, write_jsonl
+from .utils import atomic_write, drop_log_lines, progress, shown_path, write_jsonl
 
 # %% auto #0
-__all__ = ['TASKS_DIR', 'REQUIRED', 'BUILDERS', 'EvalError', 'SuiteTask', 'load_suite', 'select_tasks', 'overlapping',
-           'contamination', 'build_evalset', 'model_hash', 'flat_rows', 'evaluate', 'evaluate_run', 'newest_step',
-           'dvc_metrics', 'beyond_chance', 'plot_ability', 'trainer_bpb']
+__all__ = ['TASKS_DIR', 'REQUIRED', 'BUILDERS', 'EVALS_DIR', 'EvalError', 'SuiteTask', 'load_suite', 'select_tasks',
+           'overlapping', 'contamination', 'build_evalset', 'model_hash', 'flat_rows', 'eval_out', 'evaluate',
+           'evaluate_run', 'newest_step', 'dvc_metrics', 'beyond_chance', 'plot_ability', 'trainer_bpb']
 
 # %% ../nbs/13d_evaluate.ipynb #e282698d
 TASKS_DIR = Path("evals/tasks")
@@ -393,15 +393,27 @@ def flat_rows(results: dict, chance: dict[str, dict], shares: dict[str, float] |
     return rows
 
 # %% ../nbs/13d_evaluate.ipynb #5b0e11a7
+EVALS_DIR = Path("runs/evals")  # git ignores runs/, and no DVC stage writes here
+
+def eval_out(folder: str | os.PathLike) -> Path:
+    """Where an evaluation of `folder` (an export or a run) writes when not told: `runs/evals/NAME.json`, NAME the
+    folder's path under the working folder with `/` as `-` and a leading `runs/` dropped. Not inside the folder, nor
+    beside it: exports and run folders are DVC stages' outputs (or lie in one), and a file written there would make
+    every stage that reads them stale."""
+    folder, here = Path(os.path.abspath(folder)), Path(os.path.abspath("."))
+    parts = folder.relative_to(here).parts if folder.is_relative_to(here) else folder.parts[-2:]
+    parts = parts[1:] if parts[:1] == ("runs",) else parts
+    return EVALS_DIR / f"{'-'.join(parts) or here.name}.json"
+
 def evaluate(folder: str | os.PathLike, tasks: list[str] | None = None, limit: int | None = None,
              out: str | os.PathLike | None = None, backend: str = "hf", batch_size: int = 8, device: str | None = None,
              seed: int = 0, train_data: str | os.PathLike | None = None, tasks_dir: str | os.PathLike = TASKS_DIR,
              data_dir: str | os.PathLike | None = None, endpoint: str | None = None,
              api_key: str | None = None) -> list[dict]:
-    "Run the suite's `tasks` on the export `folder`; writes `out` (default FOLDER/eval.json) and lm-eval's results beside it."
+    "Run the suite's `tasks` on the export `folder`; writes `out` (default `eval_out(folder)`) and lm-eval's results beside it."
     folder = Path(folder)
     try: record = export_record(folder)
-    except ExportError as e: raise EvalError(f"{e}, or pass a run folder with --every") from None
+    except ExportError as e: raise EvalError(f"{e}; or give a run folder (it holds checkpoints/) to evaluate its checkpoints") from None
     if endpoint: backend = "served"
     if backend not in ("hf", "kit", "served"):
         raise EvalError(f"--backend {backend!r}: use hf (transformers), kit (our Transformer) or served (with --endpoint URL)")
@@ -437,14 +449,21 @@ def _evaluate(folder, record, chosen, specs, limit, out, backend, batch_size, de
         model, model_args = _served_lm(folder, endpoint, api_key, batch_size, seed), None
     else:
         model, model_args = _lm_class()(folder, batch_size, device), None
+    # lm-eval notes each batch it cuts to the model's context, and transformers' tokenizer the first long document:
+    # expected for a short-context model, so they are counted and stated once below; their other records still print
+    notes = (drop_log_lines("lm_eval.models.huggingface", "Left truncation applied"),
+             drop_log_lines("transformers.tokenization_utils_base", "Token indices sequence length is longer"))
+    before = [n.dropped for n in notes]
     results = lm_eval.simple_evaluate(model=model, model_args=model_args, tasks=list(task_objects.values()), limit=limit,
                                       log_samples=False, random_seed=seed, numpy_random_seed=seed, torch_random_seed=seed,
                                       fewshot_random_seed=seed, bootstrap_iters=1000, task_manager=manager)
+    cut = notes[0].dropped - before[0]
+    if cut: print(f"note: lm-eval kept the last tokens of {cut} batches whose requests were longer than the model's context", file=sys.stderr)
     rows = flat_rows(results, {t.name: t.chance for t in chosen}, shares, backend=backend, model_hash=model_hash(folder),
                      lm_eval_version=version("lm-eval"), seed=seed, limit=limit)
     for task, share in (shares or {}).items():
         if share: print(f"warning: {task}: {share:.0%} of its documents overlap the training text (contaminated)", file=sys.stderr)
-    out = Path(out) if out else folder / "eval.json"
+    out = Path(out) if out else eval_out(folder)
     atomic_write(out.with_suffix(".lm_eval.json"), json.dumps(results, indent=1, default=handle_non_serializable) + "\n")
     atomic_write(out, json.dumps(rows, indent=1) + "\n")
     return rows
@@ -459,7 +478,7 @@ def evaluate_run(run_dir: str | os.PathLike, every: int | None = None, out: str 
     if every is not None and every < 1: raise EvalError(f"--every {every}: give a number of steps, at least 1")
     chosen = [s for s in steps if every is None or s % every == 0]
     if not chosen: raise EvalError(f"{run_dir}: no kept checkpoint is a multiple of --every {every}; the steps kept are {steps}")
-    out = Path(out) if out else run_dir / "eval.json"
+    out = Path(out) if out else eval_out(run_dir)
     per_step, rows = out.with_suffix(""), []
     for step in chosen:
         with tempfile.TemporaryDirectory(prefix=".eval-", dir=out.parent if out.parent.exists() else None) as tmp:

@@ -22,7 +22,11 @@ from .model import Transformer
 from .trainer.checkpoint import Checkpoints, checkpoint_name
 from .trainer.checkpointer import load_weights
 from .trainer.processes import TrainError
-from .utils import current_umask, progress, sha256_file
+from .utils import current_umask, drop_log_lines, progress, sha256_file
+
+# The kit windows long text and checks every prompt against the model's positions itself (generation refuses, the
+# server answers 400), so the tokenizer's notice that a text is longer than the context tells the reader nothing
+drop_log_lines("transformers.tokenization_utils_base", "Token indices sequence length is longer")
 
 # %% auto #0
 __all__ = ['DTYPES', 'KEEP_FP32', 'CHAT_TEMPLATE', 'ExportError', 'choose_architecture', 'hf_config', 'tensor_table', 'to_hf',
@@ -233,15 +237,23 @@ def hf_tokenizer(path: str | os.PathLike, cfg: ModelConfig):
 # %% ../nbs/13b_export.ipynb #9defc1c2
 def _checkpoint(run_dir: Path, step: int | None) -> Path:
     checkpoints = Checkpoints(run_dir / "checkpoints")
-    if not run_dir.is_dir(): raise ExportError(f"{run_dir}: no such run folder; pass the --run-dir a run trained in")
+    if not run_dir.is_dir():
+        raise ExportError(f"{run_dir}: no such run folder; give the folder that `marin-study train --run-dir` trained in")
+    for inside in (run_dir, run_dir.parent):  # given the checkpoints/ folder, or one checkpoint, instead of the run
+        if inside.name == "checkpoints" and Checkpoints(inside).steps():
+            named = run_dir.name.removeprefix("step-") if inside != run_dir else ""
+            step_flag = f" --step {int(named)}" if named.isdigit() else ""
+            raise ExportError(f"{run_dir}: a run's checkpoint folder, not the run; give the run folder: "
+                              f"marin-study export {inside.parent}{step_flag} --out DIR")
     if not checkpoints.steps():
-        raise ExportError(f"{run_dir}: no checkpoints in {checkpoints.root}; train the run first (marin-study train)")
+        raise ExportError(f"{run_dir}: no checkpoints in {checkpoints.root}; train the run first "
+                          f"(marin-study train PARAMS --run-dir {run_dir})")
     if step is None:
         folder, skipped = checkpoints.latest()
         if folder is None: raise ExportError(f"{run_dir}: no checkpoint verifies ({skipped[0]}); retrain or restore one")
         return folder
     if step not in checkpoints.steps():
-        raise ExportError(f"{run_dir}: no checkpoint of step {step}; the steps saved are {checkpoints.steps()}")
+        raise ExportError(f"{run_dir}: no checkpoint of step {step}; the steps saved are {checkpoints.steps()} (--step)")
     return checkpoints.root / checkpoint_name(step)
 
 def _write_weights(tensors: dict[str, torch.Tensor], index: dict, dtype: torch.dtype, folder: Path) -> None:
@@ -313,9 +325,9 @@ def export(run_dir: str | os.PathLike, out: str | os.PathLike, step: int | None 
     source = {"source_run": str(run_dir.resolve()), "step": int(folder.name.removeprefix("step-")),
               "checkpoint_manifest_sha256": sha256_file(folder / "MANIFEST.json"), "params_sha256": sha256_file(folder / "params.yaml"),
               # where evaluation finds the training text, to check its tasks for contamination (chapter 13d)
-              "train_data": {"dir": str(Path(params.data.out_dir) / "clean" / "train"), "ngram": params.data.decontam_ngram,
+              "train_data": {"dir": str(params.data.path("out_dir") / "clean" / "train"), "ngram": params.data.decontam_ngram,
                              "fraction": params.data.decontam_fraction}}
-    return write_export(params.model, state, out, tokenizer or Path(params.data.out_dir) / "tokenizer.json", dtype,
+    return write_export(params.model, state, out, tokenizer or params.data.path("out_dir") / "tokenizer.json", dtype,
                         max_shard_size, native, source)
 
 # %% ../nbs/13b_export.ipynb #64248219

@@ -17,7 +17,7 @@ import torch
 from .data.corpus import read_jsonl
 from .export import ExportError, export_record
 from .model import Transformer
-from .utils import JsonLinesError, atomic_write, json_lines, progress
+from .utils import JsonLinesError, atomic_write, json_lines, progress, read_prompt_lines
 
 # %% auto #0
 __all__ = ['greedy_reference', 'Sampling', 'load_generator', 'missing_files', 'generate_batch', 'read_prompts',
@@ -91,19 +91,11 @@ def generate_batch(model, tokenizer, prompts: list[str], sampling: Sampling, nam
 
 # %% ../nbs/13c_generate.ipynb #3ca372d4
 def read_prompts(path: str | os.PathLike, tokenizer) -> list[tuple[str, str]]:
-    "(id, prompt text) for each line of a prompts file; a bad line is refused with its number."
-    path, prompts, seen = Path(path), [], {}
-    if not path.is_file(): raise ExportError(f"{path}: no such prompts file; write one JSON object per line with id and prompt")
-    for number, record in json_lines(path):
-        if not isinstance(record, dict) or "id" not in record or not ({"prompt", "messages"} & set(record)):
-            raise JsonLinesError(f"{path}:{number}: each line needs an \"id\" and a \"prompt\" (or \"messages\")")
-        key = str(record["id"])
-        if key in seen: raise JsonLinesError(f"{path}:{number}: id {key!r} already used on line {seen[key]}; ids must be unique")
-        seen[key] = number
-        text = record.get("prompt")
-        if text is None: text = tokenizer.apply_chat_template(record["messages"], add_generation_prompt=True, tokenize=False)
-        prompts.append((key, text))
-    return prompts
+    """(id, prompt text) for each line of a prompts file, a chat through the tokenizer's template. The file is read by
+    `utils.read_prompt_lines`, as `marin-study batch` reads it: one with bad lines is refused whole, naming each."""
+    return [(str(key), request["prompt"] if "prompt" in request else
+             tokenizer.apply_chat_template(request["messages"], add_generation_prompt=True, tokenize=False))
+            for _, key, request in read_prompt_lines(path)]
 
 def finished_records(out: Path) -> list[dict]:
     "The records already in the output file, after cutting away a last line that a kill left without its newline."

@@ -216,7 +216,9 @@ def parse_grid(pairs: list[str]) -> dict[str, list]:
         try: key, values = split_assignment(pair, example="train.lr=1.0e-3,3.0e-3")
         except ValueError as e: raise LaunchError(f"--grid {e}") from None
         if not values: raise LaunchError(f"--grid {pair!r} gives no values (e.g. train.lr=1.0e-3,3.0e-3)")
-        grid[key] = [parse_value(v) for v in values.split(",")]
+        try: grid[key] = [parse_value(v) for v in values.split(",")]
+        except yaml.YAMLError as e:
+            raise LaunchError(f"--grid {pair!r}: a value is not valid YAML ({getattr(e, 'problem', e)}); quote or fix it") from None
     return grid
 
 def read_sweep(path: str | Path) -> tuple[Path, Path, dict[str, list]]:

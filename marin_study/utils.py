@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -13,8 +14,9 @@ from pathlib import Path
 from typing import Any, Iterable, Iterator
 
 # %% auto #0
-__all__ = ['current_umask', 'atomic_write', 'JsonLinesError', 'json_lines', 'write_jsonl', 'split_assignment', 'progress',
-           'kit_root', 'git_state', 'sha256_file']
+__all__ = ['current_umask', 'atomic_write', 'JsonLinesError', 'json_lines', 'write_jsonl', 'prompt_problem', 'read_prompt_lines',
+           'split_assignment', 'progress', 'kit_root', 'git_state', 'sha256_file', 'shown_path', 'shown_text',
+           'DropLines', 'drop_log_lines']
 
 # %% ../nbs/00_utils.ipynb #58e97b02
 def current_umask() -> int:
@@ -64,6 +66,46 @@ def write_jsonl(path: str | os.PathLike, records: Iterable[Any]) -> Path:
     "Write records as JSON lines, atomically."
     return atomic_write(path, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records))
 
+# %% ../nbs/00_utils.ipynb #5c1e7d21
+def prompt_problem(record: Any) -> str | None:
+    "Why one JSON value of a prompts file is not a prompt (None when it is one)."
+    if not isinstance(record, dict): return 'not a JSON object; write {"id": ..., "prompt": ...}'
+    if "id" not in record: return 'no "id"; give each line an id of its own'
+    if isinstance(record["id"], bool) or not isinstance(record["id"], (str, int)):
+        return f'"id" {record["id"]!r} is not a string or an integer'
+    kinds = {"prompt", "messages"} & set(record)
+    if len(kinds) != 1: return 'give either "prompt" (a text) or "messages" (a chat)' + (", not both" if kinds else "")
+    if "prompt" in record and not isinstance(record["prompt"], str): return '"prompt" is not a string'
+    if "messages" in record and not (isinstance(chat := record["messages"], list) and chat and all(
+            isinstance(m, dict) and {"role", "content"} <= set(m) for m in chat)):
+        return '"messages" is not a list of {"role", "content"} objects'
+    return None
+
+def read_prompt_lines(path: str | os.PathLike, shown: int = 20) -> list[tuple[int, str | int, dict]]:
+    """(line number, id, request) for each line of a prompts file, the request `{"prompt": text}` or
+    `{"messages": chat}`. A file with a bad line is refused whole, in one error naming every bad line and why."""
+    path, prompts, bad, first = Path(path), [], [], {}
+    if not path.is_file():
+        raise JsonLinesError(f'{path}: no such prompts file; write one JSON object per line, {{"id": ..., "prompt": ...}}')
+    for number, raw in enumerate(path.read_bytes().split(b"\n"), 1):
+        if not raw.strip(): continue
+        try: record = json.loads(raw.decode("utf-8"))
+        except UnicodeDecodeError as e: problem = f"invalid UTF-8 at byte {e.start}; re-encode the file as UTF-8"
+        except json.JSONDecodeError as e: problem = f"not valid JSON ({e.msg}, column {e.colno})"
+        else:
+            problem = prompt_problem(record)
+            if problem is None and first.setdefault(str(record["id"]), number) != number:
+                problem = f"id {record['id']!r} already used on line {first[str(record['id'])]}; ids must be unique"
+        if problem: bad.append(f"{path}:{number}: {problem}")
+        else: prompts.append((number, record["id"], {k: record[k] for k in ("prompt", "messages") if k in record}))
+    if len(bad) == 1: raise JsonLinesError(bad[0])
+    if bad:
+        more = [f"... and {len(bad) - shown} more"] if len(bad) > shown else []
+        raise JsonLinesError("\n  ".join([f"{path}: {len(bad)} bad lines; fix them, then run again", *bad[:shown], *more]))
+    if not prompts: raise JsonLinesError(f'{path}: no prompts; write one JSON object per line, {{"id": ..., "prompt": ...}}')
+    return prompts
+
+
 # %% ../nbs/00_utils.ipynb #e2d70ad5
 def split_assignment(pair: str, example: str = "train.lr=3.0e-4") -> tuple[str, str]:
     "`key=value` as (key, value text); a ValueError naming the pair and an example when it is not one."
@@ -102,3 +144,47 @@ def sha256_file(path: str | os.PathLike) -> str:
     with open(path, "rb") as f:
         for chunk in iter(lambda: f.read(1 << 20), b""): digest.update(chunk)
     return digest.hexdigest()
+
+# %% ../nbs/00_utils.ipynb #6ec9306d
+def _roots() -> list[Path]:
+    "The folders a report's paths are relative to, the deepest first: the working folder, then the kit's."
+    return sorted({Path.cwd().resolve(), kit_root()}, key=lambda p: len(str(p)), reverse=True)
+
+def shown_path(path: str | os.PathLike) -> str:
+    "`path` as a report shows it: relative to the working folder (or the kit's, from a folder inside it), `~` for home."
+    p = Path(path)
+    if not p.is_absolute(): return str(p)
+    p, cwd = Path(os.path.abspath(p)), Path.cwd().resolve()
+    for root in _roots():
+        if p.is_relative_to(root):
+            return os.path.relpath(p, cwd) if cwd.is_relative_to(root) or root == cwd else str(p.relative_to(root))
+    home = Path.home().resolve()
+    return f"~/{p.relative_to(home)}" if home != Path("/") and p.is_relative_to(home) else str(p)
+
+def shown_text(text: str, project: str = "<project>") -> str:
+    "`text` with the absolute working and kit folders written as `project`: a generated script, shown in a report."
+    for root in _roots(): text = text.replace(str(root), project)
+    return text
+
+# %% ../nbs/00_utils.ipynb #7c88fbea
+class DropLines(logging.Filter):
+    "A logging filter that drops, and counts, the records whose message starts with one of `prefixes`."
+    def __init__(self, prefixes: tuple[str, ...]):
+        super().__init__()
+        self.prefixes, self.dropped = prefixes, 0
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if str(record.msg).startswith(self.prefixes):
+            self.dropped += 1
+            return False
+        return True
+
+def drop_log_lines(logger: str, *prefixes: str) -> DropLines:
+    "Drop the named logger's records that start with `prefixes` (installed once per logger and prefixes)."
+    target = logging.getLogger(logger)
+    found = next((f for f in target.filters if isinstance(f, DropLines) and f.prefixes == prefixes), None)
+    if found is None: target.addFilter(found := DropLines(prefixes))
+    return found
+
+# DeepSpeed logs this at import on every CPU-only process; its logger is "DeepSpeed" whether or not it is imported yet
+drop_log_lines("DeepSpeed", "Setting accelerator to CPU")

@@ -69,6 +69,10 @@ CASES = {
                                       ["launch.partition", "'a\\nrm -rf ~'"]),
     "an env name with a ';'": ({}, ["launch", "slurm", "params/tiny.yaml", "--dry-run", "--set", 'launch.env={"A;touch x": "1"}'],
                                ["launch.env", "'A;touch x'"]),
+    "a sweep file that is not YAML": ({"sweep.yaml": "grid: [1\n"}, ["launch", "sweep", "{d}/sweep.yaml", "--dry-run"],
+                                      ["{d}/sweep.yaml:2", "not valid YAML"]),
+    "a grid value that is not YAML": ({}, ["launch", "sweep", "params/tiny.yaml", "--grid", "train.lr={1", "--dry-run"],
+                                      ["--grid", "train.lr={1", "not valid YAML"]),
     # analysis inputs
     "an empty metrics file": ({"metrics.jsonl": ""}, ["analyze", "{d}/metrics.jsonl"], ["{d}/metrics.jsonl", "empty"]),
     "no metrics file": ({}, ["analyze", "{d}/none.jsonl"], ["{d}/none.jsonl"]),
@@ -82,8 +86,8 @@ CASES = {
 
 
 def snapshot(folder):
-    "Every file under `folder` with its bytes: what a refused command must leave as it was."
-    return {p.relative_to(folder): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+    "Every file under `folder` with its bytes, and every folder: what a refused command must leave as it was."
+    return {p.relative_to(folder): p.read_bytes() if p.is_file() else None for p in sorted(folder.rglob("*"))}
 
 
 @pytest.mark.parametrize("name", CASES)

@@ -34,20 +34,22 @@ def batch(*args, check=False, **kw):
     return run([BIN / "marin-study", "batch", *map(str, args)], check=check, env={"MARIN_STUDY_API_KEY": "test-key"}, **kw)
 
 
-def test_a_batch_answers_each_good_line_once_names_the_bad_ones_and_a_rerun_sends_nothing(server, tiny_export, tmp_path):
+def test_a_batch_refuses_a_file_naming_every_bad_line_answers_each_line_once_and_a_rerun_sends_nothing(server, tiny_export, tmp_path):
     prompts, out = tmp_path / "prompts.jsonl", tmp_path / "out/answers.jsonl"
-    good = write_prompts(prompts, 6, '{"id": "p1", "prompt": "again"}\nnot json\n{"id": "x", "text": "no prompt"}\n')
+    write_prompts(prompts, 6, '{"id": "p1", "prompt": "again"}\nnot json\n{"id": "x", "text": "no prompt"}\n')
+    refused = batch(prompts, "--endpoint", server.url, "--out", out, "--max-tokens", 4, "--concurrency", 3)
+    assert refused.returncode == 2 and "Traceback" not in refused.stderr and not out.parent.exists(), refused.stderr
+    assert f"marin-study: error: {prompts}: 3 bad lines" in refused.stderr and f"{prompts}:7: id 'p1' already used on line 2" in refused.stderr
+    assert f"{prompts}:8: not valid JSON" in refused.stderr and f"{prompts}:9: give either" in refused.stderr
+    good = write_prompts(prompts, 6)  # fixed: the whole file is answered
     result = batch(prompts, "--endpoint", server.url, "--out", out, "--max-tokens", 4, "--concurrency", 3)
-    assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr
-    assert f"{prompts}:7: id 'p1' already used on line 2" in result.stderr
-    assert f"{prompts}:8: not valid JSON" in result.stderr and f"{prompts}:9: give either" in result.stderr
-    assert "fix the bad lines" in result.stderr and "6 answered now, 0 already there, 0 failed, 3 bad lines" in result.stdout
+    assert result.returncode == 0 and "6 answered now, 0 already there, 0 failed" in result.stdout, result.stderr
     records = [json.loads(line) for line in out.read_text().splitlines()]
     assert sorted(r["id"] for r in records) == sorted(good)
     assert {r["model"] for r in records} == {str(tiny_export)} and len({r["job"] for r in records}) == 1
     assert all(r["finish_reason"] in ("stop", "length") and 1 <= r["completion_tokens"] <= 4 for r in records)
     summary = json.loads(side_file(out, "summary.json").read_text())
-    assert (summary["done"], summary["failed"], len(summary["bad_lines"])) == (6, 0, 3)
+    assert (summary["done"], summary["failed"]) == (6, 0)
     assert summary["completion_tokens"] == sum(r["completion_tokens"] for r in records) and summary["requests_per_s"] > 0
     # the answer is the model's: the same greedy request, sent by hand, gets the same text
     direct = openai.OpenAI(base_url=server.url, api_key="test-key").completions.create(

@@ -238,7 +238,8 @@ def test_data_check_command(pipeline, tmp_path):
     assert "micro-batch: (8, 257)" in out and "realised" in out and "samples/s" in out
     for domain in PARAMS.data.mixture: assert f"[{domain}]" in out
     bad = run(["marin-study", "data", "check", str(ROOT / "params/tiny.yaml"), "--set", f"data.out_dir={tmp_path}"], check=False)
-    assert bad.returncode == 2 and "run `marin-study data pack` first" in bad.stderr and "Traceback" not in bad.stderr
+    assert bad.returncode == 2 and f"run `marin-study data pack {ROOT / 'params/tiny.yaml'}` first" in bad.stderr, bad.stderr
+    assert "Traceback" not in bad.stderr
 
 
 def test_changing_one_data_parameter_reruns_only_what_depends_on_it(project_copy):

@@ -3,6 +3,7 @@ two paths to one number, contamination, offline, bad input."""
 import json
 import shutil
 from importlib.metadata import version
+from pathlib import Path
 
 import pytest
 
@@ -36,7 +37,8 @@ def trained(pipeline, tmp_path_factory):
 def curve(trained, suite, tmp_path_factory):
     "`marin-study eval RUN_DIR --every 8` on the perplexity tasks and the cloze: rows of steps 8, 16 and 24."
     out = tmp_path_factory.mktemp("curve") / "eval.json"
-    marin("eval", trained["run"], "--every", EVERY, "--tasks", f"{PPL},cloze_books", "--data-dir", suite[0], "--out", out)
+    done = marin("eval", trained["run"], "--every", EVERY, "--tasks", f"{PPL},cloze_books", "--data-dir", suite[0], "--out", out)
+    (out.parent / "printed.txt").write_text(done.stdout + done.stderr)  # what a user sees, for the quiet-output test
     return out
 
 
@@ -86,6 +88,14 @@ def test_a_run_is_evaluated_at_its_kept_checkpoints_and_more_tokens_score_better
     worse, better = by(rows, 8, "bits_per_byte"), by(rows, 24, "bits_per_byte")
     assert all(better[task] < worse[task] for task in worse), (worse, better)
     assert by(rows, 24, "perplexity")["cloze_books"] < by(rows, 8, "perplexity")["cloze_books"]
+
+
+def test_evaluation_prints_no_library_notice_and_states_truncation_once_a_step(curve):
+    "lm-eval's per-batch truncation notes, the tokenizer's long-sequence note and DeepSpeed's accelerator note stay out."
+    printed = (curve.parent / "printed.txt").read_text()
+    for notice in ("Left truncation applied", "Token indices sequence length is longer", "Setting accelerator to CPU"):
+        assert notice not in printed, notice
+    assert printed.count("note: lm-eval kept the last tokens of") <= 3  # at most one line for each of the 3 checkpoints
 
 
 def test_lm_eval_and_the_trainer_give_one_held_out_bits_per_byte(curve, exported, trained):
@@ -173,3 +183,16 @@ def test_the_suite_refuses_a_task_file_it_cannot_build(pipeline, tmp_path):
     with pytest.raises(EvalError, match="doc_to_decontamination_query names 'snippet', a field its documents lack"):
         build_evalset(load_suite(tasks), pipeline["root"] / "out/clean", tmp_path / "data")
     assert not (tmp_path / "data").exists()  # nothing half-written
+
+
+def test_eval_without_out_writes_under_runs_evals_never_in_or_beside_the_export(exported, suite, tmp_path):
+    "An export is a DVC output: a file written into it would make every stage that reads it stale."
+    copy = tmp_path / "runs/tiny/export"
+    shutil.copytree(exported, copy)
+    inside = sorted(copy.rglob("*"))
+    done = run([BIN / "marin-study", "eval", "runs/tiny/export", "--tasks", "ppl_math", "--limit", "2", "--data-dir",
+                str(Path(suite[0]).resolve())], cwd=tmp_path)
+    assert sorted(copy.rglob("*")) == inside and sorted(p.name for p in copy.parent.iterdir()) == ["export"]
+    assert "results in runs/evals/tiny-export.json" in done.stdout
+    assert json.loads((tmp_path / "runs/evals/tiny-export.json").read_text())
+    assert (tmp_path / "runs/evals/tiny-export.lm_eval.json").is_file()

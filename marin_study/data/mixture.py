@@ -173,7 +173,7 @@ def data_check(params: Params, blocks: int = 4, batches: int = 50) -> dict:
     "Print (and return) batch shapes, decoded samples per domain, realised vs target mixture, loader speed."
     t = params.train
     mixture = Mixture(params.data, shard_dir(params), t.seq_len, t.global_batch, total_samples=t.steps * t.global_batch)
-    tokenizer = load_tokenizer(Path(params.data.out_dir) / "tokenizer.json")
+    tokenizer = load_tokenizer(params.data.path("out_dir") / "tokenizer.json")
     loader = make_loader(params)
     batch = next(iter(loader))
     print(f"micro-batch: {tuple(batch.shape)} {batch.dtype} (micro_batch, seq_len + 1); "

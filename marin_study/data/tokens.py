@@ -109,9 +109,10 @@ def _npy_bytes(array: np.ndarray) -> bytes:
 
 
 # %% ../../nbs/06c_tokens.ipynb #91f86468
-def shard_meta(folder: str | os.PathLike) -> dict:
+def shard_meta(folder: str | os.PathLike, params_file: str = "PARAMS") -> dict:
+    "A shard folder's meta.json; the fixes name `params_file`, the params the shards are for, where it is known."
     path = Path(folder) / "meta.json"
-    if not path.is_file(): raise DataError(f"{folder}: no meta.json; run `marin-study data pack` first")
+    if not path.is_file(): raise DataError(f"{folder}: no meta.json; run `marin-study data pack {params_file}` first")
     try: return json.loads(path.read_text())
     except json.JSONDecodeError as e: raise DataError(f"{path}: not valid JSON ({e.msg}); re-run `dvc repro pack`") from None
 
@@ -141,14 +142,15 @@ class Shard:
 
 def shard_dir(params: Params, split: str = "train") -> Path:
     "Where the params' token shards of `split` ('train' or 'heldout') are."
-    return Path(params.data.out_dir) / "shards" / split
+    return params.data.path("out_dir") / "shards" / split
 
 # %% ../../nbs/06c_tokens.ipynb #9e4b6a25
-def checked_shard_meta(params: Params, split: str = "train") -> dict:
-    "The metadata of the params' shards of `split`, once they are checked against the params' tokenizer and model."
-    folder, tokenizer_path = shard_dir(params, split), Path(params.data.out_dir) / "tokenizer.json"
-    meta, vocab = shard_meta(folder), params.model.vocab_size
-    fix = "re-pack them: `dvc repro pack` (or `marin-study data pack PARAMS`)"
+def checked_shard_meta(params: Params, split: str = "train", params_file: str = "PARAMS") -> dict:
+    """The metadata of the params' shards of `split`, once they are checked against the params' tokenizer and model;
+    the fixes name `params_file`, the file the params came from, where it is known."""
+    folder, tokenizer_path = shard_dir(params, split), params.data.path("out_dir") / "tokenizer.json"
+    meta, vocab = shard_meta(folder, params_file), params.model.vocab_size
+    fix = f"re-pack them: `dvc repro pack` (or `marin-study data pack {params_file}`)"
     if "tokenizer_sha256" not in meta or "max_token_id" not in meta:
         raise DataError(f"{folder}/meta.json: shards of an older pack, with no tokenizer hash or largest id to check; {fix}")
     packed, current = meta["tokenizer_sha256"], tokenizer_sha256(load_tokenizer(tokenizer_path))

@@ -28,28 +28,14 @@ from .checkpoint import (
     MANIFEST, Checkpoints, UnsafeCheckpoint, after_failed_write, checkpoint_name, quarantine, safe_loading, verify)
 from .metrics import MetricsLog
 from .optim import StepGuard
-from .processes import TrainError, say
+from .processes import TrainError, check_same_experiment, say
 from ..utils import atomic_write
 
 # %% auto #0
-__all__ = ['ROUTED_EXPERTS', 'check_same_experiment', 'newest_valid', 'rng_state', 'set_rng_state', 'whole_parameters',
-           'join_expert_parallel', 'to_universal', 'restore_buffers', 'expert_share', 'restore_expert_share',
-           'joined_experts', 'Resume', 'settings_changed', 'record_params', 'checkpoint_size', 'failures_kept',
-           'Checkpointer', 'load_weights', 'initial_weights']
-
-# %% ../../nbs/07h_checkpointer.ipynb #7a6fe700
-def check_same_experiment(run_dir: str | os.PathLike, params: Params) -> None:
-    "Refuse to resume `run_dir` if its params.yaml trains another model or data, batch, sequence length, seed or optimizer."
-    run_dir = Path(run_dir)
-    saved = run_dir / "params.yaml"
-    if not saved.exists(): return
-    before, now = load_params(saved).to_dict(), params.to_dict()
-    fixed = [("model", k) for k in now["model"]] + [("data", k) for k in now["data"] if k != "num_workers"]
-    fixed += [("train", k) for k in ("global_batch", "seq_len", "seed", "optimizer")]
-    changed = [f"{s}.{k}" for s, k in fixed if before[s].get(k) != now[s][k]]
-    if changed:
-        raise TrainError(f"{run_dir} holds a run with different {', '.join(changed)}; resuming it would "
-                         f"train a different experiment: use a new --run-dir, or delete {run_dir}")
+__all__ = ['ROUTED_EXPERTS', 'newest_valid', 'rng_state', 'set_rng_state', 'whole_parameters', 'join_expert_parallel',
+           'to_universal', 'restore_buffers', 'expert_share', 'restore_expert_share', 'joined_experts', 'Resume',
+           'settings_changed', 'record_params', 'checkpoint_size', 'failures_kept', 'Checkpointer', 'load_weights',
+           'initial_weights']
 
 # %% ../../nbs/07h_checkpointer.ipynb #dd71cbaf
 def newest_valid(checkpoints: Checkpoints) -> tuple[Path | None, dict | None]:

@@ -13,16 +13,14 @@ import time
 import weakref
 from pathlib import Path
 
-import torch
-import torch.distributed as dist
-
-from ..config import Params
+from ..config import Params, load_params
 from ..layout import Layout, layout_refusals
 from .deepspeed import deepspeed_config
 
 # %% auto #0
-__all__ = ['PR_SET_PDEATHSIG', 'LOCK_FILE', 'TrainError', 'say', 'die_with_launcher', 'single_process_env', 'join_processes',
-           'expert_parallel_marker', 'split_experts', 'make_accelerator', 'RunLock', 'lock_run_dir']
+__all__ = ['PR_SET_PDEATHSIG', 'LOCK_FILE', 'TrainError', 'say', 'die_with_launcher', 'single_process_env', 'check_layout',
+           'join_processes', 'expert_parallel_marker', 'split_experts', 'make_accelerator', 'RunLock', 'lock_run_dir',
+           'check_same_experiment']
 
 # %% ../../nbs/07e_processes.ipynb #9b086827
 class TrainError(RuntimeError):
@@ -56,15 +54,21 @@ def single_process_env() -> None:
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
 
 
-def join_processes(params: Params) -> tuple[int, int]:
-    "This process's rank and the world size, once the layout is one the trainer runs and the CPU threads are shared out."
-    single_process_env()
-    die_with_launcher()
-    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+def check_layout(params: Params, world_size: int) -> None:
+    "Raise TrainError unless the trainer runs these params' layout on `world_size` processes (no torch needed)."
     layout = Layout.from_params(params, world_size)
     if refusals := layout_refusals(params.model, layout, params.train.global_batch, world_size, trainer=True,
                                    optimizer=params.train.optimizer):
         raise TrainError(f"cannot train on {world_size} processes: " + "; ".join(map(str, refusals)))
+
+
+def join_processes(params: Params) -> tuple[int, int]:
+    "This process's rank and the world size, once the layout is one the trainer runs and the CPU threads are shared out."
+    import torch
+    single_process_env()
+    die_with_launcher()
+    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    check_layout(params, world_size)
     if not torch.cuda.is_available():  # every launcher sets its own default; the machine's cores are shared out here
         local = os.environ.get("LOCAL_WORLD_SIZE") or os.environ.get("LOCAL_SIZE") or 1  # torchrun, deepspeed
         torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // int(local)))
@@ -73,6 +77,7 @@ def join_processes(params: Params) -> tuple[int, int]:
 # %% ../../nbs/07e_processes.ipynb #f17a2b64
 def expert_parallel_marker(num_experts: int, ep: int, name: str):
     "An empty DeepSpeed MoE layer: its presence switches on DeepSpeed's expert-parallel gradient handling."
+    import torch
     from deepspeed.moe.layer import MoE as DeepSpeedMoE
 
     class ExpertParallelMarker(DeepSpeedMoE):
@@ -102,6 +107,8 @@ def split_experts(model, ep: int):
 # %% ../../nbs/07e_processes.ipynb #6f8847ac
 def make_accelerator(params: Params, world_size: int):
     "The Accelerator that runs these params under DeepSpeed on `world_size` processes, and its DeepSpeed plugin."
+    import contextlib, io, re
+    import torch
     from accelerate import Accelerator, DeepSpeedPlugin  # imported here: Accelerate is slow to import
     from accelerate.utils import InitProcessGroupKwargs
     t, ds_config = params.train, deepspeed_config(params, world_size)
@@ -113,8 +120,11 @@ def make_accelerator(params: Params, world_size: int):
         ds_config = given
     plugin = DeepSpeedPlugin(hf_ds_config=ds_config)
     handlers = [InitProcessGroupKwargs(backend="nccl" if torch.cuda.is_available() else "gloo")]
-    accelerator = Accelerator(deepspeed_plugin=plugin, kwargs_handlers=handlers,
-                              gradient_accumulation_steps=t.global_batch // (t.micro_batch * world_size))
+    with contextlib.redirect_stdout(io.StringIO()) as printed:  # DeepSpeed prints that it built its CPU comm op, each start
+        accelerator = Accelerator(deepspeed_plugin=plugin, kwargs_handlers=handlers,
+                                  gradient_accumulation_steps=t.global_batch // (t.micro_batch * world_size))
+    if kept := [l for l in printed.getvalue().splitlines() if not re.fullmatch(r"DeepSpeed \S+ built successfully", l)]:
+        print("\n".join(kept))
     return accelerator, plugin
 
 # %% ../../nbs/07e_processes.ipynb #b2d1e803
@@ -126,43 +136,73 @@ class RunLock:
         self.path, self._release = Path(run_dir) / LOCK_FILE, None
 
     def acquire(self) -> RunLock:
-        try:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            file = open(self.path, "a+", encoding="utf-8")
-        except OSError as e:
-            raise TrainError(f"{self.path}: cannot create the run's lock ({e.strerror}); train in a folder you can write") from None
-        file.seek(0)
-        try: fcntl.flock(file, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            holder = file.read().strip() or "another process"
+        folder = self.path.parent  # what it finds there: a start refused before it writes anything leaves it so
+        made = [p for p in (*reversed(folder.parents), folder) if not p.exists()]
+        found = None if self.path.exists() else set(os.listdir(folder)) if folder.is_dir() else set()
+        while True:
+            try:
+                self.path.parent.mkdir(parents=True, exist_ok=True)
+                file = open(self.path, "a+", encoding="utf-8")
+            except OSError as e:
+                raise TrainError(f"{self.path}: cannot create the run's lock ({e.strerror}); train in a folder you can write") from None
+            file.seek(0)
+            try: fcntl.flock(file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                holder = file.read().strip() or "another process"
+                file.close()
+                raise TrainError(f"{self.path.parent} is in use by the trainer with {holder}: wait for it to end or stop "
+                                 "it, or train in another --run-dir") from None
+            try:  # a refused start that held it before us removed the file: our lock is on nothing, so open it anew
+                if os.stat(self.path).st_ino == os.fstat(file.fileno()).st_ino: break
+            except FileNotFoundError: pass
             file.close()
-            raise TrainError(f"{self.path.parent} is in use by the trainer with {holder}: wait for it to end or stop "
-                             "it, or train in another --run-dir") from None
         if stale := file.read().strip(): say(f"{self.path}: taking over from the trainer with {stale}, which has ended")
         file.seek(0)
         file.truncate()
         file.write(f"PID {os.getpid()} on {socket.gethostname()}, since {time.strftime('%Y-%m-%d %H:%M:%S')}\n")
         file.flush()
-        self._release = weakref.finalize(self, _unlock, file)  # also when the lock is dropped or the interpreter exits
+        self._release = weakref.finalize(self, _unlock, file, self.path, found, made)  # also at the interpreter's exit
         return self
 
     def release(self) -> None:
         if self._release: self._release()
 
-def _unlock(file) -> None:
+def _unlock(file, path: Path, found: set[str] | None, made: list[Path]) -> None:
+    try:
+        if found is not None and set(os.listdir(path.parent)) == found | {LOCK_FILE}:  # nothing written: no trace left
+            path.unlink()  # while the flock is held: a trainer that opened it meanwhile sees it gone and opens anew
+            for folder in reversed(made):
+                try: folder.rmdir()
+                except OSError: break
+    except OSError: pass  # the folder went while we held it: nothing of ours is left to remove
     file.seek(0)
     file.truncate()  # an empty file: ended cleanly, not stale
     file.close()  # closing drops the flock
 
 
 # %% ../../nbs/07e_processes.ipynb #e5a4b126
-def lock_run_dir(run_dir: str | os.PathLike, rank: int) -> RunLock | None:
+def lock_run_dir(run_dir: str | os.PathLike, rank: int, lock: RunLock | None = None) -> RunLock | None:
     "Rank 0's lock on `run_dir` (None on other ranks); every rank raises the same TrainError when another trainer holds it."
-    lock, refusal = None, [None]
-    if rank == 0:
+    import torch.distributed as dist
+    refusal = [None]
+    if rank == 0 and lock is None:
         try: lock = RunLock(run_dir).acquire()
         except TrainError as e: refusal[0] = str(e)
     if dist.is_initialized(): dist.broadcast_object_list(refusal, src=0)
     if refusal[0]: raise TrainError(refusal[0])
     return lock
 
+
+# %% ../../nbs/07e_processes.ipynb #7a6fe700
+def check_same_experiment(run_dir: str | os.PathLike, params: Params) -> None:
+    "Refuse to resume `run_dir` if its params.yaml trains another model or data, batch, sequence length, seed or optimizer."
+    run_dir = Path(run_dir)
+    saved = run_dir / "params.yaml"
+    if not saved.exists(): return
+    before, now = load_params(saved).to_dict(), params.to_dict()
+    fixed = [("model", k) for k in now["model"]] + [("data", k) for k in now["data"] if k != "num_workers"]
+    fixed += [("train", k) for k in ("global_batch", "seq_len", "seed", "optimizer")]
+    changed = [f"{s}.{k}" for s, k in fixed if before[s].get(k) != now[s][k]]
+    if changed:
+        raise TrainError(f"{run_dir} holds a run with different {', '.join(changed)}; resuming it would "
+                         f"train a different experiment: use a new --run-dir, or delete {run_dir}")

@@ -27,7 +27,8 @@ from marin_study.trainer.metrics import (
     ROUTER_Z_LOSS, SKIP_REASON, SKIPPED, STEP, TOKENS, MetricsLog, Throughput, cuda_keys, drop_fractions, gpu_in_use,
     router_health)
 from .optim import GuardedStep, StepGuard, make_optimizer, param_groups, peak_lr
-from .processes import TrainError, join_processes, lock_run_dir, make_accelerator, say, split_experts
+from .processes import (
+    RunLock, TrainError, join_processes, lock_run_dir, make_accelerator, say, split_experts)
 from .schedule import lr_at
 
 # %% auto #0
@@ -60,7 +61,7 @@ def build_engine(params: Params, accelerator, resuming: bool = False) -> tuple[o
 class Trainer:
     "One training run in `run_dir`: builds or resumes its components, then trains with `fit`."
     def __init__(self, params: Params, run_dir: str | os.PathLike, until: int | None = None,
-                 callbacks: Sequence[Callback] = ()):
+                 callbacks: Sequence[Callback] = (), lock: RunLock | None = None):
         self.params, self.run_dir, t = params, Path(run_dir), params.train
         self.until = t.steps if until is None else min(until, t.steps)
         signal_stop = SignalStop()  # first: a signal during the minutes of start-up still stops the run after a step
@@ -68,9 +69,10 @@ class Trainer:
             raise TrainError(f"train.trackers names {', '.join(missing)}, not installed here: pip install "
                              f"{' '.join(missing)}, or leave {', '.join(missing)} out of train.trackers")
         self.rank, self.world_size = join_processes(params)
-        self.metrics = MetricsLog(self.run_dir / "metrics.jsonl")
         self.accelerator, plugin = make_accelerator(params, self.world_size)
-        self.lock = lock_run_dir(self.run_dir, self.rank)  # before anything in the folder is read or written
+        # before anything in the folder is read or written (`lock`: taken by the command before torch was imported)
+        self.lock = lock_run_dir(self.run_dir, self.rank, lock)
+        self.metrics = MetricsLog(self.run_dir / "metrics.jsonl")
         self.device = self.accelerator.device
         self.checkpointer = Checkpointer(params, self.run_dir, self.rank, self.world_size, self.metrics,
                                          barrier=self.accelerator.wait_for_everyone)
@@ -175,11 +177,11 @@ class Trainer:
 
 # %% ../../nbs/07j_train.ipynb #ea602d9c
 def train(params: Params, run_dir: str | os.PathLike, until: int | None = None,
-          callbacks: Sequence[Callback] = ()) -> list[dict]:
-    "Train (or resume) the run in `run_dir`; the library's entry point behind `marin-study train`."
+          callbacks: Sequence[Callback] = (), lock: RunLock | None = None) -> list[dict]:
+    "Train (or resume) the run in `run_dir` (holding `lock` on it, if given); the library's entry point behind `marin-study train`."
     run_dir, trainer = Path(run_dir), None
     try:
-        trainer = Trainer(params, run_dir, until, callbacks)
+        trainer = Trainer(params, run_dir, until, callbacks, lock)
         trainer.checkpointer.record_params(trainer.step)  # the run folder's params.yaml; a changed one is kept, not lost
         return trainer.fit()
     except BaseException as error:
