@@ -17,9 +17,10 @@ from .trainer.metrics import (EVAL_BPB, EVAL_LOSS, MFU_CONVENTION, MOE_MAX_LOAD,
 from .utils import JsonLinesError, json_lines
 
 # %% auto #0
-__all__ = ['KIT_NAMES', 'WANDB_NAMES', 'KINDS', 'SANE_EXPONENT', 'AnalysisError', 'Finding', 'load_curves', 'as_curves',
-           'Thresholds', 'diagnose', 'findings_table', 'router_health_frame', 'plot_router_load', 'compare',
-           'ScalingFit', 'fit_scaling_law']
+__all__ = ['KIT_NAMES', 'WANDB_NAMES', 'KINDS', 'FINAL_LOSS_STEPS', 'FINAL_LOSS_KEY', 'FINAL_LOSS_LABEL', 'HELDOUT_SAMPLE_LABEL',
+           'HELDOUT_FULL_LABEL', 'SANE_EXPONENT', 'AnalysisError', 'Finding', 'load_curves', 'as_curves',
+           'final_train_loss', 'final_heldout', 'run_summary', 'Thresholds', 'diagnose', 'findings_table',
+           'router_health_frame', 'plot_router_load', 'compare', 'ScalingFit', 'fit_scaling_law']
 
 # %% ../nbs/08_analysis.ipynb #14cc0385
 class AnalysisError(ValueError):
@@ -162,6 +163,42 @@ def as_curves(df: pd.DataFrame, source: str, run: str, mapping: dict[str, str] |
     df.insert(0, "run", run)
     df.attrs["problems"], df.attrs["source"] = problems, source
     return df
+
+# %% ../nbs/08_analysis.ipynb #3e52c1e1
+FINAL_LOSS_STEPS = 20
+FINAL_LOSS_KEY = f"final_train_loss_last{FINAL_LOSS_STEPS}_mean"
+FINAL_LOSS_LABEL = f"final train loss (mean of the last {FINAL_LOSS_STEPS} steps)"
+HELDOUT_SAMPLE_LABEL = "held-out bpb (trainer's sample)"
+HELDOUT_FULL_LABEL = "held-out bpb (full split)"
+
+def final_train_loss(curves: pd.DataFrame, steps: int = FINAL_LOSS_STEPS) -> dict:
+    "The final training loss: the mean `loss` over the last `steps` finite, not skipped steps, and the steps it spans."
+    df = curves[np.isfinite(pd.to_numeric(curves["loss"], errors="coerce"))]
+    if "skipped" in df.columns: df = df[~df["skipped"].eq(True)]
+    if df.empty: return {}
+    tail = df.tail(steps)
+    return {"value": float(tail["loss"].mean()), "first_step": int(tail["step"].iloc[0]),
+            "last_step": int(tail["step"].iloc[-1]), "steps": len(tail)}
+
+def final_heldout(curves: pd.DataFrame) -> dict:
+    "The trainer's last held-out evaluation (its sample of windows): step, loss, bits per byte and each domain's."
+    if "eval_bpb" not in curves.columns or curves["eval_bpb"].isna().all(): return {}
+    last = curves.dropna(subset=["eval_bpb"]).iloc[-1]
+    domains = sorted(k.split("/")[1] for k in curves.columns if k.startswith("eval/") and k.endswith("/bpb") and k.count("/") == 2)
+    return {"step": int(last["step"]), "loss": float(last["eval_loss"]), "bpb": float(last["eval_bpb"]),
+            "bpb_by_domain": {d: float(last[f"eval/{d}/bpb"]) for d in domains if pd.notna(last[f"eval/{d}/bpb"])}}
+
+def run_summary(curves: pd.DataFrame, eval_samples: int) -> dict:
+    "A run's numbers under keys that say what each is (the tiny study's `train_tiny.json`)."
+    final, held = final_train_loss(curves), final_heldout(curves)
+    first = curves.dropna(subset=["loss"]).head(5)
+    out = {"steps": int(curves["step"].iloc[-1]), "tokens": int(curves["tokens"].iloc[-1]) if "tokens" in curves else None,
+           "initial_train_loss_first5_mean": float(first["loss"].mean()), FINAL_LOSS_KEY: final.get("value")}
+    if held:
+        out |= {"heldout_sample_step": held["step"], "heldout_sample_windows_per_domain": int(eval_samples),
+                "heldout_sample_loss": held["loss"], "heldout_sample_bpb": held["bpb"],
+                **{f"heldout_sample_bpb_{d}": v for d, v in held["bpb_by_domain"].items()}}
+    return out
 
 # %% ../nbs/08_analysis.ipynb #7410d644
 @dataclass

@@ -21,7 +21,7 @@ from .config import Params, load_params
 from .hardware import cpu_bf16
 from .layout import Layout
 from .trainer.deepspeed import model_state_memory
-from .utils import kit_root
+from .utils import kit_root, shown_path
 
 # %% auto #0
 __all__ = ['STATUSES', 'Check', 'table', 'report', 'pins', 'check_python', 'check_packages', 'check_torch', 'check_bf16',
@@ -68,7 +68,7 @@ def pins() -> tuple[str, list[str]]:
 def check_python(min_python: str) -> Check:
     have = ".".join(map(str, sys.version_info[:3]))
     ok = sys.version_info[:2] >= tuple(int(x) for x in min_python.split("."))
-    return Check("python", "ok" if ok else "fail", f"{have} ({sys.executable}); the kit needs >= {min_python}",
+    return Check("python", "ok" if ok else "fail", f"{have} ({shown_path(sys.executable)}); the kit needs >= {min_python}",
                  f"install Python >= {min_python}, then PYTHON=/path/to/it ./install.sh")
 
 def check_packages(requirements: list[str]) -> Check:
@@ -265,7 +265,7 @@ def check_caches() -> Check:
 
 # %% ../nbs/14_doctor.ipynb #4480603c
 def check_corpus(params: Params) -> Check:
-    root = Path(params.data.dir)
+    root = params.data.path("dir")
     files = sorted(root.glob("*/*.jsonl"))
     if (root / "SOURCES.json").is_file() and files:
         return Check("corpus", "ok", f"{root}: {len(files)} files, {_size(sum(f.stat().st_size for f in files))}")

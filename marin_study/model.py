@@ -229,7 +229,8 @@ def expert_parallel(run_experts, x_MD, w_M, load_E, group) -> tuple[torch.Tensor
     this rank's on the rows that arrived (`MoE.run_within_capacity`). Same shape and order out, and the rows dropped."""
     P, r = dist.get_world_size(group), dist.get_rank(group)
     load_PE = load_E.new_empty(P * load_E.numel())  # every rank's load: what each sends, and the group's total
-    dist.all_gather_into_tensor(load_PE, load_E.contiguous(), group=group)
+    # torch 2.13 renamed all_gather_into_tensor (deprecated there, with a warning a call) to all_gather_single
+    getattr(dist, "all_gather_single", dist.all_gather_into_tensor)(load_PE, load_E.contiguous(), group=group)
     sent_PL = load_E.view(P, -1)                   # rows this rank sends to each rank's local experts
     got_PL = load_PE.view(P, P, -1)[:, r]          # rows each rank sends to this rank's local experts
     send, receive = sent_PL.sum(1).tolist(), got_PL.sum(1).tolist()

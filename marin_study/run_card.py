@@ -14,9 +14,10 @@ import time
 from importlib import metadata
 from pathlib import Path
 
+import pandas as pd
 import yaml
 
-from .analysis import AnalysisError, Finding, diagnose, load_curves
+from .analysis import AnalysisError, Finding, diagnose, final_train_loss, load_curves
 from .config import Params, dump_params
 from .layout import Layout
 from .trainer.callbacks import Callback
@@ -35,12 +36,12 @@ def params_hash(params: Params) -> str:
 
 def data_state(params: Params) -> dict:
     "The corpus's hash from data.dvc, and one hash over the token shards' meta.json files."
-    dvc_file = Path(params.data.dir.rstrip("/") + ".dvc")
+    dvc_file = Path(str(params.data.path("dir")) + ".dvc")
     corpus = None
     if dvc_file.is_file():
         outs = (yaml.safe_load(dvc_file.read_text()) or {}).get("outs") or [{}]
         corpus = outs[0].get("md5")
-    metas = sorted((Path(params.data.out_dir) / "shards").glob("*/meta.json"))
+    metas = sorted((params.data.path("out_dir") / "shards").glob("*/meta.json"))
     shards = hashlib.sha256(b"".join(m.read_bytes() for m in metas)).hexdigest() if metas else None
     return {"data_hash": corpus or shards, "data_hash_from": "data.dvc" if corpus else "shards meta" if shards else None,
             "corpus_hash": corpus, "shards_hash": shards, "shards": [str(m.parent) for m in metas]}
@@ -75,8 +76,12 @@ def outcome(run_dir: str | os.PathLike, params: Params) -> dict:
     final, best = {}, {}
     for key in dict.fromkeys(HEADLINE + tuple(params.train.target)):
         logged = [(r[key], r[STEP]) for r in records if not r.get(SKIPPED) and _finite(r.get(key))]
-        if logged:
+        if logged:  # each number says which it is: the loss a mean of the last steps, held-out ones the trainer's sample
             final[key] = {"value": logged[-1][0], "step": logged[-1][1]}
+            if key == LOSS:
+                mean = final_train_loss(pd.DataFrame([{STEP: s, LOSS: v} for v, s in logged]))
+                final[key] = {"value": mean["value"], "step": mean["last_step"], "mean_of_last_steps": mean["steps"]}
+            elif key.startswith("eval/"): final[key]["heldout_sample_windows_per_domain"] = params.train.eval_samples
             best[key] = dict(zip(("value", "step"), min(logged)))
     target = {key: {"goal": goal, "final": final.get(key, {}).get("value"), "met": key in final and final[key]["value"] <= goal}
               for key, goal in params.train.target.items()}
@@ -106,7 +111,10 @@ def render_markdown(card: dict) -> str:
         goal = card["target"].get(key)
         met = "" if goal is None else f"{goal['goal']:.4g} ({'met' if goal['met'] else 'missed'})"
         best = card["best"][key]
-        lines.append(f"| {key} | {_number(final['value'])} | {final['step']} | {_number(best['value'])} | {best['step']} | {met} |")
+        named = (f"{key} (mean of the last {final['mean_of_last_steps']} steps)" if "mean_of_last_steps" in final else
+                 f"{key} (trainer's sample, {final['heldout_sample_windows_per_domain']} windows per domain)"
+                 if "heldout_sample_windows_per_domain" in final else key)
+        lines.append(f"| {named} | {_number(final['value'])} | {final['step']} | {_number(best['value'])} | {best['step']} | {met} |")
     lines += ["", "## Findings of the loss analysis", ""]
     lines += [f"- [{f['severity']}] {f['kind']} at steps {f['start_step']}-{f['end_step']}: {f['action']}" for f in card["findings"]] or ["None."]
     skipped = ", ".join(f"{s['step']} ({s['reason']})" for s in card["skipped_steps"])

@@ -450,3 +450,30 @@ def test_a_mixture_switch_is_a_note_that_explains_the_step_in_the_loss_not_a_spi
     assert switch[0].evidence["loss_after"] > switch[0].evidence["loss_before"] and "mixture" in KINDS
     assert not [f for f in found if f.severity != "info"]
     assert not [f for f in diagnose(healthy(3), vocab_size=VOCAB) if f.kind == "mixture"]  # no phase column, no note
+
+
+def test_the_final_loss_and_held_out_bpb_have_one_definition_that_card_summary_and_reports_share(tmp_path):
+    "Chapter 08's functions make the run card's, train_tiny.json's and the reports' numbers, which agree on one log."
+    from conftest import ROOT
+    from marin_study.analysis import FINAL_LOSS_KEY, final_heldout, final_train_loss, run_summary
+    from marin_study.config import load_params
+    from marin_study.run_card import outcome
+    from marin_study.utils import write_jsonl
+    losses = {s: 9.0 - s / 10 + (0.3 if s % 2 else -0.3) for s in range(1, 41)}  # one step's loss swings with its batch
+    write_jsonl(tmp_path / "metrics.jsonl", [
+        {"step": s, "tokens": s * 4096, "loss": losses[s], **({"skipped": True} if s == 35 else {}),
+         **({"eval/loss": 7.0 - s / 100, "eval/bpb": 3.0 - s / 100, "eval/web/bpb": 2.9 - s / 100} if s % 20 == 0 else {})}
+        for s in range(1, 41)])
+    params = load_params(ROOT / "params/tiny.yaml")
+    card, curves = outcome(tmp_path, params), load_curves(tmp_path / "metrics.jsonl")
+    summary = run_summary(curves, params.train.eval_samples)
+    kept = [losses[s] for s in range(1, 41) if s != 35][-20:]  # the last 20 steps the guard did not skip
+    assert card["final"]["loss"]["value"] == summary[FINAL_LOSS_KEY] == final_train_loss(curves)["value"] == pytest.approx(np.mean(kept))
+    assert card["final"]["loss"]["mean_of_last_steps"] == 20 and FINAL_LOSS_KEY == "final_train_loss_last20_mean"
+    assert card["final"]["eval/bpb"]["value"] == summary["heldout_sample_bpb"] == final_heldout(curves)["bpb"] == pytest.approx(2.6)
+    assert card["final"]["eval/bpb"]["heldout_sample_windows_per_domain"] == summary["heldout_sample_windows_per_domain"]
+    assert summary["heldout_sample_bpb_web"] == pytest.approx(2.5)
+    # the studies take these functions instead of a window of their own
+    train, report = ((ROOT / f"nbs/studies/{n}.ipynb").read_text() for n in ("train_tiny", "loss_report"))
+    assert "run_summary(" in train and "final_train_loss(" in report and "final_heldout(" in report
+    assert "iloc[-20:]" not in train and "ewm(alpha=0.05).mean().iloc[-1]" not in report

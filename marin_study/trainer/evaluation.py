@@ -16,7 +16,8 @@ from ..data.tokens import Shard, checked_shard_meta, load_tokenizer, shard_dir
 from .metrics import EVAL_BPB, EVAL_LOSS, domain_key
 
 # %% auto #0
-__all__ = ['evenly', 'document_windows', 'rank_windows', 'shard_windows', 'token_bytes', 'HeldOut']
+__all__ = ['MIN_DOCUMENTS', 'evenly', 'document_windows', 'rank_windows', 'window_documents', 'shard_windows', 'token_bytes',
+           'HeldOut', 'bpb_interval']
 
 # %% ../../nbs/07g_evaluation.ipynb #794bbaf4
 def evenly(n: int, samples: int) -> list[int]:
@@ -43,14 +44,25 @@ def rank_windows(picked: list[int], rank: int, world_size: int) -> tuple[list[in
     return padded, [1.0] * len(mine) + [0.0] * (len(padded) - len(mine))
 
 
-def shard_windows(shard: Shard, length: int, samples: int, rank: int, world_size: int):
-    "This rank's windows of a shard as (tokens_BW padded with -1, scored_BT: the targets that count, weight_B)."
+def _picked(shard: Shard, length: int, samples: int, rank: int, world_size: int):
+    "This rank's picked windows of a shard: (window index, its document, the window's index in it) each, and weights."
     ends = np.cumsum(-(-np.diff(shard.offsets) // length))  # after each document, the windows so far
     chosen, weights = rank_windows(evenly(int(ends[-1]), samples), rank, world_size)
+    documents = [int(np.searchsorted(ends, i, side="right")) for i in chosen]
+    return [(i, k, i - (int(ends[k - 1]) if k else 0)) for i, k in zip(chosen, documents)], weights
+
+
+def window_documents(shard: Shard, length: int, samples: int, rank: int, world_size: int) -> list[int]:
+    "The document of each of this rank's windows of a shard, in `shard_windows`' order (intervals over documents)."
+    return [k for _, k, _ in _picked(shard, length, samples, rank, world_size)[0]]
+
+
+def shard_windows(shard: Shard, length: int, samples: int, rank: int, world_size: int):
+    "This rank's windows of a shard as (tokens_BW padded with -1, scored_BT: the targets that count, weight_B)."
+    picked, weights = _picked(shard, length, samples, rank, world_size)
     windows = []
-    for i in chosen:  # only the picked documents are cut: a held-out split can hold millions
-        k = int(np.searchsorted(ends, i, side="right"))
-        windows.append(document_windows(shard.document(k), shard.eod_id, length)[i - (int(ends[k - 1]) if k else 0)])
+    for _, k, j in picked:  # only the picked documents are cut: a held-out split can hold millions
+        windows.append(document_windows(shard.document(k), shard.eod_id, length)[j])
     tokens_BW = np.full((len(windows), max(len(t) for t, _ in windows)), -1, dtype=np.int64)
     scored_BT = np.zeros((len(windows), tokens_BW.shape[1] - 1), dtype=bool)
     for row, (tokens, first) in enumerate(windows):
@@ -72,26 +84,29 @@ class HeldOut:
     def __init__(self, params: Params, samples: int, rank: int, world_size: int):
         folder, seq, t = shard_dir(params, "heldout"), params.train.seq_len, params.train
         self.every, self.last = t.eval_every, t.steps
-        self.bytes_V = token_bytes(load_tokenizer(Path(params.data.out_dir) / "tokenizer.json"))
+        self.bytes_V = token_bytes(load_tokenizer(params.data.path("out_dir") / "tokenizer.json"))
         self.domains, self.windows = sorted(checked_shard_meta(params, "heldout")["domains"]), {}
+        self.documents, self.window_documents = {}, {}
         for domain in self.domains:
             shard = Shard(folder, domain)
             if len(shard.offsets) < 2: raise DataError(f"{folder}/{domain}.bin: no documents to evaluate; re-run `dvc repro pack`")
             self.windows[domain] = shard_windows(shard, seq, samples, rank, world_size)
+            self.documents[domain] = len(shard.offsets) - 1  # the domain's held-out documents, all ranks together
+            self.window_documents[domain] = window_documents(shard, seq, samples, rank, world_size)
 
     def due(self, step: int) -> bool:
         "Whether the loop evaluates after `step`: every `train.eval_every` steps and at the run's last step."
         return bool(self.every and step % self.every == 0) or step == self.last
 
     @torch.no_grad()
-    def evaluate(self, model, micro_batch: int, autocast, device: torch.device) -> dict[str, float]:
-        "eval/<domain>/loss (nats per token) and eval/<domain>/bpb, with their macro averages over domains."
+    def window_sums(self, model, micro_batch: int, autocast, device: torch.device) -> dict[str, torch.Tensor]:
+        "Per domain, this rank's windows' (nats, tokens, text nats, bytes) times their weights, float64 [W, 4]."
         was_training = model.training
         model.eval()
-        sums = torch.zeros(len(self.domains), 4, dtype=torch.float64, device=device)  # nats, tokens, text nats, bytes
-        bytes_V = self.bytes_V.to(device)
-        for d, domain in enumerate(self.domains):
+        bytes_V, out = self.bytes_V.to(device), {}
+        for domain in self.domains:
             tokens_BW, scored_BT, weight_B = self.windows[domain]
+            rows = []
             for i in range(0, len(tokens_BW), micro_batch):
                 batch_BW, w_B = tokens_BW[i:i + micro_batch].to(device).clamp(min=0), weight_B[i:i + micro_batch].to(device)
                 scored = scored_BT[i:i + micro_batch].to(device)
@@ -100,12 +115,18 @@ class HeldOut:
                 nats_BT = torch.nn.functional.cross_entropy(logits_BTV.float().flatten(0, 1), targets_BT.flatten(),
                                                             reduction="none").view_as(targets_BT) * scored
                 bytes_BT = bytes_V[targets_BT] * scored
-                sums[d, 0] += (nats_BT.double().sum(1) * w_B).sum()
-                sums[d, 1] += (scored.sum(1) * w_B).sum()
-                sums[d, 2] += ((nats_BT.double() * (bytes_BT > 0)).sum(1) * w_B).sum()  # special tokens are no text
-                sums[d, 3] += (bytes_BT.sum(1) * w_B).sum()
-        if dist.is_initialized(): dist.all_reduce(sums)
+                rows.append(torch.stack([nats_BT.double().sum(1) * w_B, scored.sum(1).double() * w_B,
+                                         (nats_BT.double() * (bytes_BT > 0)).sum(1) * w_B,  # special tokens are no text
+                                         bytes_BT.sum(1) * w_B], dim=1))
+            out[domain] = torch.cat(rows)
         model.train(was_training)
+        return out
+
+    def evaluate(self, model, micro_batch: int, autocast, device: torch.device) -> dict[str, float]:
+        "eval/<domain>/loss (nats per token) and eval/<domain>/bpb, with their macro averages over domains."
+        windows = self.window_sums(model, micro_batch, autocast, device)
+        sums = torch.stack([windows[d].sum(0) for d in self.domains])  # nats, tokens, text nats, bytes
+        if dist.is_initialized(): dist.all_reduce(sums)
         out = {}
         for d, domain in enumerate(self.domains):
             nats, tokens, text_nats, nbytes = sums[d].tolist()
@@ -114,3 +135,17 @@ class HeldOut:
         out[EVAL_LOSS] = sum(out[domain_key(EVAL_LOSS, d)] for d in self.domains) / len(self.domains)
         out[EVAL_BPB] = sum(out[domain_key(EVAL_BPB, d)] for d in self.domains) / len(self.domains)
         return out
+
+# %% ../../nbs/07g_evaluation.ipynb #92720ad6
+MIN_DOCUMENTS = 10
+
+def bpb_interval(sums_W4: torch.Tensor, documents: list[int], z: float = 1.96) -> dict:
+    "Bits per byte of windows (rows of `window_sums`) and a normal interval over their `documents`, with the count."
+    sums = sums_W4.double().cpu().numpy()
+    docs, unit = np.unique(np.asarray(documents), return_inverse=True)
+    y, x = np.bincount(unit, sums[:, 2]) / math.log(2), np.bincount(unit, sums[:, 3])
+    keep = x > 0  # padding (weight 0) and documents of special tokens only hold no text
+    y, x, n = y[keep], x[keep], int(keep.sum())
+    ratio = float(y.sum() / x.sum())
+    half = z * math.sqrt(n / (n - 1) * float(((y - ratio * x) ** 2).sum())) / float(x.sum()) if n > 1 else math.nan
+    return {"bpb": ratio, "low": ratio - half, "high": ratio + half, "documents": n, "judged": n >= MIN_DOCUMENTS}

@@ -95,7 +95,8 @@ def main() -> int:
                                "grad_norm": [round(v, 6) for v in curves["grad_norm"]],
                                "skipped": [int(s) for s in curves.loc[skipped, "step"]]}
             rows.append({**row, "status": "ok" if not bad else "report warns",
-                         "train_loss_end": summary["train_loss_end"], "eval_bpb": summary["eval_bpb"],
+                         "final_train_loss_last20_mean": summary["final_train_loss_last20_mean"],
+                         "heldout_sample_bpb": summary["heldout_sample_bpb"],
                          "max_grad_norm_after_50": float(curves["grad_norm"][curves["step"] > 50].max()),
                          "late_max_load": float(curves["moe/max_load"][curves["step"] > 150].median()),
                          "skipped": " ".join(map(str, sequences[name]["skipped"])) or "-",
@@ -104,7 +105,7 @@ def main() -> int:
     table = pd.DataFrame(rows)
     print("\n" + table.round(4).to_string(index=False))
     ok = table[table["status"] == "ok"]
-    for column in ("train_loss_end", "eval_bpb"):
+    for column in ("final_train_loss_last20_mean", "heldout_sample_bpb"):
         if len(ok): print(f"{column}: mean {ok[column].mean():.4f}, std {ok[column].std():.4f}, "
                           f"range {ok[column].min():.4f}-{ok[column].max():.4f} over {len(ok)} runs")
     if sequences and args.seeds == [0, 1, 2, 3] and len(args.corpora) == 2:
