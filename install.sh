@@ -1,9 +1,18 @@
 #!/usr/bin/env bash
 # Everything a fresh Debian/Ubuntu machine with Python >= 3.10 needs, in one command:
 # a virtual environment in .venv, torch (the CPU build unless a GPU is present), the kit with its dev tools,
-# a Jupyter kernel named "marin-study", and the raw corpus that data.dvc tracks.
+# a Jupyter kernel named "marin-study", and the raw corpus that data.dvc tracks. A second run finds the stamp the
+# first left in .venv and returns at once, unless this script or the package's requirements changed since
+# (or the corpus is gone): both README commands start with it.
 set -euo pipefail
 cd "$(dirname "$0")"
+
+stamp=.venv/.marin-study-installed
+wanted=$(cat install.sh pyproject.toml setup.py settings.ini | sha256sum | cut -d' ' -f1)
+if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$wanted" ] && [ -f data/SOURCES.json ]; then
+  echo "install.sh: already set up (.venv and data/ are current; delete $stamp to redo it)"
+  exit 0
+fi
 
 python=${PYTHON:-$(command -v python3.11 || command -v python3 || true)}
 if [ -z "$python" ] || ! "$python" -c 'import sys; sys.exit(sys.version_info < (3, 10))'; then
@@ -50,4 +59,5 @@ with Repo() as repo:
         print(f"install.sh: the corpus built here differs from the one data.dvc pins ({differ or 'same versions'}); "
               "'dvc status' shows it and 'dvc repro' rebuilds the data stages and the study from this corpus")
 PY
+echo "$wanted" > "$stamp"
 echo "install.sh: done. Activate with: . .venv/bin/activate"

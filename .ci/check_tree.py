@@ -17,6 +17,7 @@ NOT_BIT_REPRODUCIBLE = {
     # ONEDNN_MAX_CPU_ISA to AVX2 did not reproduce another machine's run, so these cannot be byte for byte.
     "reports/train_tiny.json": "the run's final losses (its floats follow the CPU)",
     "reports/train_tiny_curve.csv": "the run's loss curve (its floats follow the CPU)",
+    "reports/train_tiny_curve_eval.csv": "the run's held-out curve (its floats follow the CPU)",
     "reports/train_tiny_loss.png": "the plot of that curve",
     "reports/loss_findings.json": "the scaling-law fit to that curve",
     "runs/tiny/train_tiny.ipynb": "papermill timings; the notebook prints the training time and speed",
@@ -44,6 +45,8 @@ NOT_BIT_REPRODUCIBLE = {
     "reports/serve_tiny.html": "rendered from that executed notebook",
     "reports/serve_tiny.json": "this machine's latency and throughput",
     "reports/book": "the executed chapters print timings (the loader's speed, the optimizer's step) and embed plots",
+    "runs/index/landing.ipynb": "papermill timings, and the headline numbers of the run and of this machine's serving",
+    "reports/index.html": "rendered from that executed notebook",
 }
 
 

@@ -61,7 +61,7 @@ def main():
     ap.add_argument("--arm", action="append", metavar="NAME:KEY=VALUE,...",
                     help=f"an arm (default: {' and '.join(ARMS)})")
     ap.add_argument("--seeds", type=int, default=2)
-    ap.add_argument("--steps", type=int, help="steps of every run (default: the params'; the README's figures: 300)")
+    ap.add_argument("--steps", type=int, help="steps of every run (default: the params'; docs/benchmarks.md's figures: 300)")
     ap.add_argument("--eval-every", type=int, default=25)
     ap.add_argument("--target", type=float,
                     help="held-out bits per byte (default: the first arm's final, its highest seed)")

@@ -15,9 +15,10 @@ from typing import Any
 from .utils import atomic_write
 
 # %% auto #0
-__all__ = ['KERNEL', 'OFFLINE_TEMPLATE', 'StudyError', 'study_parameters', 'remote_references', 'notebook_html', 'render_html',
-           'provenance', 'local_kernel_manager', 'run_study', 'book_chapters', 'chapter_title', 'static_widgets',
-           'chapter_kernel', 'render_book']
+__all__ = ['KERNEL', 'OFFLINE_TEMPLATE', 'BOOK_PARTS', 'StudyError', 'study_parameters', 'remote_references', 'notebook_html',
+           'render_html', 'provenance', 'local_kernel_manager', 'run_study', 'book_chapters', 'chapter_part',
+           'chapter_title', 'static_widgets', 'chapter_kernel', 'render_book', 'report_title', 'report_thumbnail',
+           'reports_table']
 
 # %% ../nbs/10_studies.ipynb #6eae6ef0
 KERNEL = "marin-study"  # registered by install.sh from the project's environment
@@ -78,7 +79,7 @@ def _params_files(parameters: dict[str, Any]) -> list[tuple[str, str]]:
     """(params file, its SHA-256) for each that a study's parameters name: a .yaml path or glob, a run folder's
     params.yaml, or the run an export came from (its marin_export.json records the run and its params' hash)."""
     import glob
-    from marin_study.utils import sha256_file
+    from marin_study.utils import sha256_file, shown_path
     found = []
     for value in (v for v in parameters.values() if isinstance(v, str) and v):
         path = Path(value)
@@ -87,7 +88,7 @@ def _params_files(parameters: dict[str, Any]) -> list[tuple[str, str]]:
         elif (path / "marin_export.json").is_file():
             record = json.loads((path / "marin_export.json").read_text())
             if "source_run" in record and "params_sha256" in record:
-                found.append((f"{record['source_run']}/params.yaml (via {value})", record["params_sha256"]))
+                found.append((f"{shown_path(record['source_run'])}/params.yaml (via {value})", record["params_sha256"]))
     return found
 
 def _literal(source: str):
@@ -178,6 +179,22 @@ def book_chapters(nbs_dir: str | Path) -> list[Path]:
     chapters = sorted(p for p in nbs_dir.glob("*.ipynb") if p.name != "index.ipynb")
     return ([nbs_dir / "index.ipynb"] if (nbs_dir / "index.ipynb").is_file() else []) + chapters
 
+BOOK_PARTS = {  # part -> the chapter numbers it holds, in reading order
+    "Start here": ("index", "00", "01", "02", "03", "04"),
+    "The model": ("05",),
+    "Data": ("06",),
+    "Training": ("07",),
+    "Analysis": ("08",),
+    "Planning and launching": ("09", "10", "11", "12"),
+    "Inference": ("13",),
+    "Operations": ("14", "90"),
+}
+
+def chapter_part(chapter: str | Path) -> str:
+    "The part of the book a chapter belongs to, by its number (`06b_clean` -> Data); 'More' when no part claims it."
+    number = re.match(r"\d*", Path(chapter).stem).group(0) or Path(chapter).stem
+    return next((part for part, numbers in BOOK_PARTS.items() if number in numbers), "More")
+
 def chapter_title(nb: nbformat.NotebookNode, default: str) -> str:
     "A chapter's title: its first markdown heading of level 1."
     for cell in nb.cells:
@@ -249,13 +266,16 @@ def _execute_chapter(path: Path, manager, cwd: Path, timeout: int | None) -> nbf
     return nb
 
 # %% ../nbs/10_studies.ipynb #c4d5aed5
-def _book_index(pages: list[tuple[str, str]], title: str) -> nbformat.NotebookNode:
-    "The book's contents page: one link per page, in reading order."
+def _book_index(pages: list[tuple[str, str, str]], title: str) -> nbformat.NotebookNode:
+    "The book's contents page: (page, title, part) in reading order, a heading per part and one link per page."
     import nbformat
-    links = "\n".join(f"{i}. [{name}]({page})" for i, (page, name) in enumerate(pages, 1))
-    return nbformat.v4.new_notebook(cells=[nbformat.v4.new_markdown_cell(f"# {title}\n\n## Chapters\n\n{links}")])
+    text, part = f"# {title}\n", None
+    for number, (page, name, in_part) in enumerate(pages, 1):
+        if in_part != part: text, part = text + f"\n## {in_part}\n\n", in_part
+        text += f"{number}. [{name}]({page})\n"
+    return nbformat.v4.new_notebook(cells=[nbformat.v4.new_markdown_cell(text)])
 
-def render_book(nbs_dir: str | Path = "nbs", out_dir: str | Path = "reports/book", kernel: str = KERNEL,
+def render_book(nbs_dir: str | Path = "nbs", out_dir: str | Path = "runs/book", kernel: str = KERNEL,
                 timeout: int | None = 1800, title: str = "marin-study: the book") -> Path:
     "Execute the library chapters of `nbs_dir` and render them, with an index in reading order, into `out_dir`."
     import nbformat
@@ -276,7 +296,7 @@ def render_book(nbs_dir: str | Path = "nbs", out_dir: str | Path = "reports/book
             following = f"[{pages[k + 1][1]}]({pages[k + 1][0]})" if k + 1 < len(pages) else "the end"
             nb.cells.append(nbformat.v4.new_markdown_cell(f"[Contents](index.html) | next: {following}"))
             (building / page).write_text(notebook_html(nb, name, code=True, source=path), encoding="utf-8")
-        index = _book_index([(page, name) for page, name, _, _ in pages], title)
+        index = _book_index([(page, name, chapter_part(path)) for page, name, _, path in pages], title)
         (building / "index.html").write_text(notebook_html(index, title, source="the book's index"), encoding="utf-8")
         old = out_dir.with_name(f".{out_dir.name}.old") if out_dir.exists() else None
         if old:
@@ -287,3 +307,40 @@ def render_book(nbs_dir: str | Path = "nbs", out_dir: str | Path = "reports/book
     finally:
         shutil.rmtree(building, ignore_errors=True)
     return out_dir / "index.html"
+
+# %% ../nbs/10_studies.ipynb #41e540b5
+def report_title(html: str, default: str) -> str:
+    "A rendered report's title: the text of its first level-1 heading (nbconvert's anchor mark dropped)."
+    import html as html_lib
+    found = re.search(r"<h1[^>]*>(.*?)</h1>", html, re.S)
+    if not found: return default
+    return html_lib.unescape(re.sub(r"<[^>]+>|¶", "", found.group(1))).strip() or default
+
+def report_thumbnail(html: str, box: tuple[int, int] = (240, 150)) -> str | None:
+    "The first plot a report embeds, shrunk to fit `box` (width, height) in pixels, as a PNG data URI; None without one."
+    import base64, io
+    from PIL import Image
+    found = re.search(r"<img[^>]*?\ssrc=\"data:image/png;base64,([A-Za-z0-9+/=\s]+)\"", html)  # not the theme's CSS images
+    if not found: return None
+    image = Image.open(io.BytesIO(base64.b64decode(found.group(1))))
+    image.thumbnail(box)
+    buffer = io.BytesIO()
+    image.save(buffer, format="PNG", optimize=True)
+    return "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()
+
+def reports_table(reports_dir: str | Path, reports: dict[str, str]) -> str:
+    """An HTML table of `reports` (report file name -> the DVC stage that builds it) in `reports_dir`: a thumbnail,
+    the title linked to the page (relative links: the page sits beside them), and the file; the stage when absent."""
+    import html as html_lib
+    rows = []
+    for name, stage in reports.items():
+        path = Path(reports_dir) / name
+        if not path.is_file():
+            rows.append(f"<tr><td></td><td>{html_lib.escape(name)}: not built yet (<code>dvc repro {stage}</code>)</td></tr>")
+            continue
+        page = path.read_text(encoding="utf-8")
+        thumb = report_thumbnail(page)
+        image = f'<a href="{name}"><img src="{thumb}" alt="" style="max-width:none"></a>' if thumb else ""
+        rows.append(f'<tr><td>{image}</td><td style="text-align:left"><a href="{name}">'
+                    f"{html_lib.escape(report_title(page, name))}</a><br><code>{html_lib.escape(name)}</code></td></tr>")
+    return "<table>" + "".join(rows) + "</table>"

@@ -43,6 +43,13 @@ def run(cmd, cwd=ROOT, check=True, **kw):
     return result
 
 
+def readme_block(heading: str) -> str:
+    "The first bash block of README.md's section `## heading`, as written."
+    import re
+    section = (ROOT / "README.md").read_text().split(f"\n## {heading}\n", 1)[1]
+    return re.search(r"```bash\n(.*?)```", section, re.S).group(1)
+
+
 @pytest.fixture
 def project_copy(tmp_path):
     "The project's files as git sees them (tracked and new, not ignored) in a fresh git repository."

@@ -62,3 +62,15 @@ def test_the_book_is_the_library_chapters_in_reading_order():
     assert chapters[0].name == "index.ipynb" and [c.name for c in chapters[1:]] == sorted(
         p.name for p in (ROOT / "nbs").glob("*.ipynb") if p.name != "index.ipynb")
     assert all(c.parent == ROOT / "nbs" for c in chapters)  # nbs/studies are studies, not chapters
+
+
+def test_every_chapter_has_a_part_and_the_contents_table_is_the_book():
+    "The parts are runs of chapter numbers (reading them in turn reads the book in order); index.ipynb's table is them."
+    from marin_study.studies import BOOK_PARTS, chapter_part
+    chapters = [c.stem for c in book_chapters(ROOT / "nbs")]
+    parts = [chapter_part(c) for c in chapters]
+    assert "More" not in parts, [c for c, p in zip(chapters, parts) if p == "More"]  # give a new chapter's number a part
+    assert [p for k, p in enumerate(parts) if k == 0 or p != parts[k - 1]] == list(BOOK_PARTS)  # contiguous, in order
+    index = "".join(nbformat.read(ROOT / "nbs/index.ipynb", as_version=4).cells[0].source)
+    table = re.findall(r"^\| ([^|`]+?) \| `(\w+)` \|", index, re.M)
+    assert table == list(zip(parts[1:], chapters[1:])), "update the contents table in nbs/index.ipynb"

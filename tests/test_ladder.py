@@ -77,8 +77,8 @@ def test_node_layout_trains_on_two_cpu_processes(pipeline, tmp_path):
 
 
 def test_node_launches_without_a_refusal(tmp_path):
-    "The README's submit example, dry: node.yaml renders an sbatch script and no warning (the trainer runs its layout)."
-    result = marin("launch", "slurm", "params/node.yaml", "--dry-run", timeout=300)  # as README.md writes it
+    "The docs' submit example, dry: node.yaml renders an sbatch script and no warning (the trainer runs its layout)."
+    result = marin("launch", "slurm", "params/node.yaml", "--dry-run", timeout=300)  # as docs/planning-and-launch.md writes it
     assert result.stdout.startswith("#!/bin/bash\n") and "#SBATCH --gpus-per-node=8" in result.stdout
     assert "warning" not in result.stderr, result.stderr
     (tmp_path / "sbatch.sh").write_text(result.stdout)

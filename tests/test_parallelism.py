@@ -303,7 +303,7 @@ def test_the_configs_written_are_for_the_fastest_layout_the_trainer_runs(tmp_pat
 
 
 def test_the_535b_runs_days_are_one_number_with_its_assumptions_everywhere():
-    "The plan CLI's first line, its JSON, the launch report's metrics and the README give the same days for the run."
+    "The plan CLI's first line, its JSON, the launch report's metrics and the docs give the same days for the run."
     text = run([BIN / "marin-study", "plan", "params/marin-535b-a23b.yaml", "--mfu", "0.229"]).stdout.splitlines()[0]
     days = re.search(r"([\d.]+) days = ([\d.e+]+) FLOPs / \((\d+) GPUs x ([\d.]+) PFLOP/s x ([\d.]+)% MFU, given\)", text)
     assert days and days.group(3) == "704" and days.group(5) == "22.9", text
@@ -313,7 +313,7 @@ def test_the_535b_runs_days_are_one_number_with_its_assumptions_everywhere():
     assert float(days.group(1)) == pytest.approx(float(days.group(2)) / (704 * float(days.group(4)) * 1e15 * 0.229) / 86400, rel=2e-3)
     report = json.loads((ROOT / "reports/cluster_launch.json").read_text())
     assert f"{report['days']:.1f}" == days.group(1) and report["gpus"] == 704
-    assert f"**{days.group(1)} days**" in (ROOT / "README.md").read_text()
+    assert f"**{days.group(1)} days**" in (ROOT / "docs/planning-and-launch.md").read_text()
 
 
 def test_goodput_stretches_the_days_by_the_wall_clock_that_does_not_train():

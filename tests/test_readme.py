@@ -1,4 +1,4 @@
-"README.md starts with exactly three commands, CI runs all three as written, and nbdev cannot overwrite it."
+"README.md's first block holds exactly two commands, CI runs both as written, every documented command parses, and nbdev cannot overwrite the README."
 import configparser
 import os
 import re
@@ -12,16 +12,25 @@ from conftest import BIN, ROOT, run
 
 def readme_commands():
     text = (ROOT / "README.md").read_text()
-    block = re.match(r"# marin-study\n+```bash\n(.*?)\n```", text, re.S)
-    assert block, "README.md must start with its title and one bash block of commands"
+    block = re.match(r"# marin-study\n\n(?:[^`\n][^\n]*\n){1,4}\n```bash\n(.*?)\n```", text, re.S)
+    assert block, "README.md must start with its title, at most 4 lines on what the kit is, and one bash block of commands"
     return [line.split("  #")[0].strip() for line in block.group(1).splitlines()]
 
 
-def test_readme_starts_with_install_main_job_and_tests():
-    install, main_job, tests = readme_commands()
-    assert install == "./install.sh" and (ROOT / "install.sh").stat().st_mode & 0o111
-    assert main_job.endswith("dvc repro")
-    assert "pytest" in tests
+def test_readme_starts_with_two_commands_each_setting_up_first():
+    main_job, tests = readme_commands()
+    assert (ROOT / "install.sh").stat().st_mode & 0o111
+    assert main_job.startswith("./install.sh && ") and main_job.endswith("dvc repro")
+    assert tests.startswith("./install.sh && ") and tests.endswith("python -m pytest")
+
+
+def test_the_readme_fits_its_start_on_a_screen_and_links_what_exists():
+    text = (ROOT / "README.md").read_text()
+    prose = [p for p in re.sub(r"```.*?```", "", text, flags=re.S).split("\n\n") if not p.startswith("- ")]
+    assert len(text.split()) < 1500 and max(p.count("\n") for p in prose) < 8  # no wall of text
+    for target in re.findall(r"\]\(([^)#]+)\)", text):
+        assert (ROOT / target).exists(), f"README.md links {target}, which does not exist"
+    assert "reports/index.html" in text  # what to open when the main job ends
 
 
 def test_ci_runs_the_readme_commands_verbatim():
@@ -74,9 +83,11 @@ def test_no_chapter_cites_a_file_outside_the_repository():
 
 
 def readme_commands_after_the_first_block() -> list[str]:
-    "Every command in the README's bash and console blocks after the first (.ci/run's), as written, comments dropped."
-    text = (ROOT / "README.md").read_text()
-    blocks = re.findall(r"^```(bash|console)\n(.*?)^```", text, re.S | re.M)[1:]
+    """Every command in the bash and console blocks of README.md after its first (.ci/run's) and of docs/*.md, as
+    written, comments dropped."""
+    pages = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+    blocks = [b for k, page in enumerate(pages)
+              for b in re.findall(r"^```(bash|console)\n(.*?)^```", page.read_text(), re.S | re.M)[(1 if k == 0 else 0):]]
     lines = [l.removeprefix("$ ") for kind, body in blocks for l in body.splitlines()
              if l.strip() and (kind == "bash" or l.startswith("$ "))]
     return [shlex.join(shlex.split(l, comments=True)) for l in lines]
@@ -85,6 +96,7 @@ def readme_commands_after_the_first_block() -> list[str]:
 def marin_study_part(command: str) -> list[str] | None:
     "The arguments given to marin-study in a command (itself, or under torchrun, accelerate, deepspeed), or None."
     words = shlex.split(command)
+    words = words[:-1] if words[-1:] == ["&"] else words  # a server started in the background
     return words[words.index("marin-study") + 1:] if "marin-study" in words else None
 
 
@@ -113,7 +125,7 @@ def test_every_readme_command_parses_and_the_cheap_ones_run_as_written(tmp_path)
         ran += 1
     assert ran >= 5 and (tmp_path / "plan/deepspeed.json").is_file()
     others = [c for c in commands if marin_study_part(c) is None]
-    assert {shlex.split(c)[0] for c in others} <= {"dvc", "curl"}, others  # dvc's: the next test; curl needs a server
+    assert {shlex.split(c)[0] for c in others} <= {"dvc", "curl", "kill"}, others  # dvc's: the next test; the tour: test_studies
 
 
 def test_the_readmes_dvc_experiment_overrides_run_as_written_and_leave_the_params_file_alone(tmp_path):
@@ -138,3 +150,28 @@ def test_the_readmes_dvc_experiment_overrides_run_as_written_and_leave_the_param
         assert (tmp_path / "params/tiny.yaml").read_bytes() == before, command  # the workspace's file, untouched
     shown = run(["dvc", "exp", "show", "--json"], cwd=tmp_path).stdout
     assert "0.0003" in shown and "8.0" in shown  # each experiment ran with its override
+
+
+def dvc_outputs() -> list[str]:
+    "Every output path of dvc.yaml's stages, with ${...} filled from params/tiny.yaml as DVC fills them."
+    import yaml
+    stages, tiny = yaml.safe_load((ROOT / "dvc.yaml").read_text())["stages"], yaml.safe_load((ROOT / "params/tiny.yaml").read_text())
+    fill = lambda text: re.sub(r"\$\{([\w.]+)\}", lambda m: str(eval_dotted(tiny, m.group(1))), text)
+    return [fill(next(iter(o)) if isinstance(o, dict) else o) for s in stages.values() for o in s.get("outs", [])]
+
+
+def eval_dotted(tree: dict, dotted: str):
+    for key in dotted.split("."): tree = tree[key]
+    return tree
+
+
+def test_no_documented_command_writes_into_a_dvc_output():
+    "A command from README.md or docs/ that wrote into a stage's output would make `dvc status` call the pipeline stale."
+    outputs = dvc_outputs()
+    assert "runs/tiny/export" in outputs and "runs/data/clean" in outputs
+    inside = lambda path: any(path == o or path.startswith(o.rstrip("/") + "/") for o in outputs)
+    writes = {"--out", "--output", "--run-dir", "--report"}
+    found = [(command, words[k + 1]) for command in readme_commands_after_the_first_block()
+             if (words := marin_study_part(command)) and words[0] not in ("study",)  # `study run` is how stages run
+             for k, word in enumerate(words[:-1]) if word in writes and inside(words[k + 1].replace("<hash>", "x"))]
+    assert not found, found

@@ -1,6 +1,7 @@
 "Study notebooks under papermill, the offline HTML reports, and the DVC pipeline on a fresh copy of the project."
 import csv
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -10,7 +11,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from conftest import ROOT, run
+from conftest import BIN, ROOT, readme_block, run
 from marin_study.analysis import KINDS
 from marin_study.config import load_params
 from marin_study.studies import StudyError, remote_references, run_study, study_parameters
@@ -133,12 +134,20 @@ def test_dvc_repro_trains_the_tiny_study_reports_on_it_and_a_second_repro_resume
     run(["dvc", "plots", "show", "-o", str(tmp_path / "plots")], cwd=project_copy)
     assert (tmp_path / "plots/index.html").exists()
     summary = json.loads((project_copy / "reports/train_tiny.json").read_text())
-    assert summary["steps"] == 200 and summary["train_loss_end"] < summary["train_loss_start"] - 2.0
+    final_loss = summary["final_train_loss_last20_mean"]  # one definition (chapter 08), in the card, the JSON and the report
+    assert summary["steps"] == 200 and final_loss < summary["initial_train_loss_first5_mean"] - 2.0
+    assert card["final"]["loss"] == {"value": final_loss, "step": 200, "mean_of_last_steps": 20}
+    assert card["final"]["eval/bpb"]["value"] == summary["heldout_sample_bpb"]
+    assert "final train loss (mean of the last 20 steps)" in (project_copy / "reports/loss_report.html").read_text()
+    curve = pd.read_csv(project_copy / "reports/train_tiny_curve.csv")  # DVC plots draws what each file holds
+    held = pd.read_csv(project_copy / "reports/train_tiny_curve_eval.csv")
+    assert len(curve) == 200 and "eval_loss" not in curve and held["step"].tolist() == [50, 100, 150, 200]
+    assert held["eval_loss"].notna().all() and (held["eval_loss"] > 0).all()
     html = (project_copy / "reports/train_tiny.html").read_text()
     assert not remote_references(html) and html.count("data:image/png;base64,") >= 1
     assert "resumed from" in html  # the second leg continued from the half-way checkpoint
     assert (project_copy / "reports/train_tiny_loss.png").stat().st_size > 10_000
-    assert "eval_bpb" in run(["dvc", "metrics", "show"], cwd=project_copy).stdout
+    assert "heldout_sample_bpb" in run(["dvc", "metrics", "show"], cwd=project_copy).stdout
     runs = project_copy / "runs/tiny/run" / (project_copy / "runs/tiny/run/LATEST").read_text().strip()
     assert {p.name for p in (project_copy / "runs/tiny/run").iterdir()} == {runs.name, "LATEST"}
     # the run leaves the kit: exported as a Hugging Face folder, and what it writes rendered
@@ -161,6 +170,20 @@ def test_dvc_repro_trains_the_tiny_study_reports_on_it_and_a_second_repro_resume
     assert not remote_references(html) and "cloze_books" in html and html.count("data:image/png;base64,") >= 1
     metrics = run(["dvc", "metrics", "show", "--json"], cwd=project_copy).stdout
     assert "reports/eval_tiny.json" in metrics and "choice_heldout" in metrics
+    # what the stages wrote reads the same on any machine: no path of the folder they ran in, nor of this one's /work
+    for path in sorted(p for p in (project_copy / "reports").rglob("*") if p.is_file() and p.suffix in (".html", ".json", ".jsonl", ".csv", ".md")):
+        text = path.read_text(errors="replace")
+        assert str(project_copy) not in text and str(project_copy.resolve()) not in text, f"{path.name} names {project_copy}"
+        assert "/work/" not in text, f"{path.name} names a /work/ path"
+    # the README's five-minute tour as written (train, analyze, generate, serve) leaves the pipeline as it was
+    before = run(["dvc", "status"], cwd=project_copy).stdout
+    tour = run(["bash", "-e", "-c", readme_block("A five-minute tour")], cwd=project_copy, timeout=900)
+    assert '"finish_reason"' in tour.stdout and "server stopped" in tour.stderr
+    assert (project_copy / "runs/tour/RUN_CARD.md").is_file() and "Traceback" not in tour.stderr
+    assert "Setting accelerator to CPU" not in tour.stdout + tour.stderr and "built successfully" not in tour.stdout  # quiet
+    assert run(["dvc", "status"], cwd=project_copy).stdout == before
+    ran = run(["dvc", "status", "report", "generate", "eval_report"], cwd=project_copy).stdout  # the stages this test ran
+    assert "Data and pipelines are up to date" in ran, ran
     # the persistent run is found, nothing retrains (--single-item: --force alone reruns the data stages too)
     run(["dvc", "repro", "--force", "--single-item", "train"], cwd=project_copy)
     assert len(MetricsLog(runs / "metrics.jsonl").read()) == 200
@@ -192,3 +215,24 @@ def test_loss_report_declares_its_parameters():
 def test_marin_record_study_declares_its_parameters():
     assert set(study_parameters(ROOT / "nbs/studies/marin_record.ipynb")) == {
         "record_name", "params_path", "gpus", "backtest_fraction", "findings_json"}
+
+
+def test_the_landing_page_gives_the_headline_numbers_and_every_report(tmp_path):
+    "reports/index.html on the main job's reports (CI runs it first): its numbers are the metrics files', every link works."
+    reports = ROOT / "reports"
+    if not (reports / "train_tiny.json").is_file(): pytest.skip("no reports yet: run the main job (dvc repro) first")
+    out = tmp_path / "reports"
+    shutil.copytree(reports, out)
+    (out / "index.html").unlink(missing_ok=True)
+    run([BIN / "marin-study", "study", "run", ROOT / "nbs/studies/landing.ipynb", "--output", tmp_path / "landing.ipynb",
+         "--report", out / "index.html", "-p", f"reports_dir={out}"])
+    page = (out / "index.html").read_text()
+    train = json.loads((reports / "train_tiny.json").read_text())
+    serve = json.loads((reports / "serve_tiny.json").read_text())
+    assert f"{train['final_train_loss_last20_mean']:.3f} nats" in page and f"{train['heldout_sample_bpb']:.3f}" in page
+    assert f"p50 {serve['latency_p50_s']:.2f} s" in page and "abilities beyond chance" in page
+    links = set(re.findall(r'href="([\w./]+\.html)"', page))
+    assert {"train_tiny.html", "eval_tiny.html", "serve_tiny.html", "book/index.html"} <= links
+    assert all((out / link).is_file() for link in links), links
+    assert len(re.findall(r'<img[^>]*src="data:image/png;base64,', page)) >= 5  # a thumbnail per report with a plot
+    assert not remote_references(page) and str(tmp_path) not in page and "not built yet" not in page
