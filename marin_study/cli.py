@@ -109,7 +109,7 @@ def _data_check(args) -> None:
     checked_shard_meta(params, "train", args.params)  # shards that are missing or stale: the fix names this params file
     data_check(params)
 
-# %% ../nbs/90_cli.ipynb #f6fe2de0
+# %% ../nbs/90_cli.ipynb #4551dfd3
 def _fail(error: Exception | str, grace_s: float = 30) -> int:
     "Say `error` once and give the status of an error (2). Under a launcher every process meets it: rank 0 says it."
     rank = int(os.environ.get("RANK", 0))
@@ -128,6 +128,8 @@ def _profile_sets(spec: str | None) -> list[str]:
     start, _, steps = spec.partition(":")
     return [f"train.profile.start={start}", f"train.profile.steps={steps or 1}"]
 
+
+# %% ../nbs/90_cli.ipynb #477cf9ae
 def _finished_at(run_dir: str, last: int) -> int | None:
     "The step a resume would start from (the newest checkpoint that verifies) when it is at or past `last`, else None."
     from marin_study.trainer.checkpoint import Checkpoints
@@ -137,6 +139,7 @@ def _finished_at(run_dir: str, last: int) -> int | None:
     step = int(newest.name.removeprefix("step-")) if newest else 0
     return step if step >= last else None
 
+# %% ../nbs/90_cli.ipynb #3c426a14
 def _train(args) -> None:
     params = load_params(args.params, args.set + _profile_sets(args.profile))
     # Every refusal that needs no torch comes first, before the seconds torch, Accelerate and DeepSpeed take to import,

@@ -24,10 +24,6 @@ from .trainer.checkpointer import load_weights
 from .trainer.processes import TrainError
 from .utils import current_umask, drop_log_lines, progress, sha256_file
 
-# The kit windows long text and checks every prompt against the model's positions itself (generation refuses, the
-# server answers 400), so the tokenizer's notice that a text is longer than the context tells the reader nothing
-drop_log_lines("transformers.tokenization_utils_base", "Token indices sequence length is longer")
-
 # %% auto #0
 __all__ = ['DTYPES', 'KEEP_FP32', 'CHAT_TEMPLATE', 'ExportError', 'choose_architecture', 'hf_config', 'tensor_table', 'to_hf',
            'from_hf', 'parse_size', 'export_dtype', 'shard_index', 'export_layout', 'hf_tokenizer', 'write_export',
@@ -36,6 +32,10 @@ __all__ = ['DTYPES', 'KEEP_FP32', 'CHAT_TEMPLATE', 'ExportError', 'choose_archit
 # %% ../nbs/13b_export.ipynb #e13ff90d
 class ExportError(ValueError):
     "An export that cannot be made or read: the message names the path and the fix."
+
+# The kit windows long text and checks every prompt against the model's positions itself (generation refuses, the
+# server answers 400), so the tokenizer's notice that a text is longer than the context tells the reader nothing
+drop_log_lines("transformers.tokenization_utils_base", "Token indices sequence length is longer")
 
 def _conditions(cfg: ModelConfig, bias_is_zero: bool) -> dict[str, list[tuple[bool, str]]]:
     global_only = cfg.sliding_window == 0

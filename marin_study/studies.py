@@ -16,8 +16,8 @@ from .utils import atomic_write
 
 # %% auto #0
 __all__ = ['KERNEL', 'OFFLINE_TEMPLATE', 'BOOK_PARTS', 'StudyError', 'study_parameters', 'remote_references', 'notebook_html',
-           'render_html', 'provenance', 'local_kernel_manager', 'run_study', 'book_chapters', 'chapter_part',
-           'chapter_title', 'static_widgets', 'chapter_kernel', 'render_book', 'report_title', 'report_thumbnail',
+           'render_html', 'provenance', 'local_kernel_manager', 'run_study', 'book_chapters', 'chapter_title',
+           'static_widgets', 'chapter_part', 'chapter_kernel', 'render_book', 'report_title', 'report_thumbnail',
            'reports_table']
 
 # %% ../nbs/10_studies.ipynb #6eae6ef0
@@ -179,22 +179,6 @@ def book_chapters(nbs_dir: str | Path) -> list[Path]:
     chapters = sorted(p for p in nbs_dir.glob("*.ipynb") if p.name != "index.ipynb")
     return ([nbs_dir / "index.ipynb"] if (nbs_dir / "index.ipynb").is_file() else []) + chapters
 
-BOOK_PARTS = {  # part -> the chapter numbers it holds, in reading order
-    "Start here": ("index", "00", "01", "02", "03", "04"),
-    "The model": ("05",),
-    "Data": ("06",),
-    "Training": ("07",),
-    "Analysis": ("08",),
-    "Planning and launching": ("09", "10", "11", "12"),
-    "Inference": ("13",),
-    "Operations": ("14", "90"),
-}
-
-def chapter_part(chapter: str | Path) -> str:
-    "The part of the book a chapter belongs to, by its number (`06b_clean` -> Data); 'More' when no part claims it."
-    number = re.match(r"\d*", Path(chapter).stem).group(0) or Path(chapter).stem
-    return next((part for part, numbers in BOOK_PARTS.items() if number in numbers), "More")
-
 def chapter_title(nb: nbformat.NotebookNode, default: str) -> str:
     "A chapter's title: its first markdown heading of level 1."
     for cell in nb.cells:
@@ -223,6 +207,24 @@ def static_widgets(nb: nbformat.NotebookNode) -> nbformat.NotebookNode:
             _widget_outputs(output.data[_WIDGET_VIEW]["model_id"], state)
             if _WIDGET_VIEW in output.get("data", {}) else [output])]
     return nb
+
+# %% ../nbs/10_studies.ipynb #9e4f86a4
+BOOK_PARTS = {  # part -> the chapter numbers it holds, in reading order
+    "Start here": ("index", "00", "01", "02", "03", "04"),
+    "The model": ("05",),
+    "Data": ("06",),
+    "Training": ("07",),
+    "Analysis": ("08",),
+    "Planning and launching": ("09", "10", "11", "12"),
+    "Inference": ("13",),
+    "Operations": ("14", "90"),
+}
+
+def chapter_part(chapter: str | Path) -> str:
+    "The part of the book a chapter belongs to, by its number (`06b_clean` -> Data); 'More' when no part claims it."
+    number = re.match(r"\d*", Path(chapter).stem).group(0) or Path(chapter).stem
+    return next((part for part, numbers in BOOK_PARTS.items() if number in numbers), "More")
+
 
 # %% ../nbs/10_studies.ipynb #df401c74
 @contextmanager

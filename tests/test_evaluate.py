@@ -191,7 +191,7 @@ def test_eval_without_out_writes_under_runs_evals_never_in_or_beside_the_export(
     shutil.copytree(exported, copy)
     inside = sorted(copy.rglob("*"))
     done = run([BIN / "marin-study", "eval", "runs/tiny/export", "--tasks", "ppl_math", "--limit", "2", "--data-dir",
-                str(Path(suite[0]).resolve())], cwd=tmp_path)
+                str(Path(suite[0]).resolve()), "--tasks-dir", ROOT / "evals/tasks"], cwd=tmp_path)
     assert sorted(copy.rglob("*")) == inside and sorted(p.name for p in copy.parent.iterdir()) == ["export"]
     assert "results in runs/evals/tiny-export.json" in done.stdout
     assert json.loads((tmp_path / "runs/evals/tiny-export.json").read_text())

@@ -56,6 +56,7 @@ LONG_DEFINITIONS = {
     ("05_model.ipynb", "MoE"): "one nn.Module: route, dispatch, combine and the balancing bias share its buffers",
     ("05_model.ipynb", "Transformer"): "one nn.Module: init, ZeRO-3's borrowed weights, the bias update, the forward",
     ("06d_mixture.ipynb", "Mixture"): "one class: the block cache and the phase counts are its state",
+    ("07g_evaluation.ipynb", "HeldOut"): "one class: its windows, their weighted sums and the macro averages share the domains",
     ("07h_checkpointer.ipynb", "Checkpointer"): "one class: save, find and restore share the staging and rank protocol",
     ("07j_train.ipynb", "Trainer"): "one class: the components it wires, the step and the loop that reads as a screen",
     ("09_parallelism.ipynb", "Plan"): "one dataclass: days, table, explanation and JSON of the same candidates",

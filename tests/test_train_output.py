@@ -18,7 +18,7 @@ ERROR = "marin-study: error:"
 
 @pytest.mark.parametrize("launcher", ["alone", "torchrun"])
 @pytest.mark.parametrize("setting, says", [("train.lr=-1", "train.lr: -1.0 is out of range"),
-                                           ("data.out_dir={tmp}/nowhere", "no meta.json; run `marin-study data pack` first")])
+                                           ("data.out_dir={tmp}/nowhere", f"no meta.json; run `marin-study data pack {ROOT / 'params/tiny.yaml'}` first")])
 def test_a_failing_run_says_why_once_and_exits_with_the_status_of_an_error(launcher, setting, says, tmp_path):
     result = run(command(launcher, ROOT / "params/tiny.yaml", tmp_path / "run", setting.format(tmp=tmp_path)),
                  check=False, timeout=300)

@@ -25,7 +25,6 @@ def evenly(n: int, samples: int) -> list[int]:
     m = min(samples, n)
     return [round(k * (n - 1) / max(m - 1, 1)) for k in range(m)]
 
-
 def document_windows(document: np.ndarray, eod_id: int, length: int) -> list[tuple[np.ndarray, int]]:
     "A document (its end-of-document token last) as windows of at most `length` + 1 tokens: (tokens, first scored)."
     seq = np.concatenate([[eod_id], document])
@@ -36,13 +35,11 @@ def document_windows(document: np.ndarray, eod_id: int, length: int) -> list[tup
         windows.append((seq[start:end], first - start))
     return windows
 
-
 def rank_windows(picked: list[int], rank: int, world_size: int) -> tuple[list[int], list[float]]:
     "This rank's share of `picked`, padded to as many as every other rank's, and the weight of each (padding: 0)."
     mine = picked[rank::world_size]
     padded = mine + [picked[0]] * (math.ceil(len(picked) / world_size) - len(mine))
     return padded, [1.0] * len(mine) + [0.0] * (len(padded) - len(mine))
-
 
 def _picked(shard: Shard, length: int, samples: int, rank: int, world_size: int):
     "This rank's picked windows of a shard: (window index, its document, the window's index in it) each, and weights."
@@ -51,11 +48,9 @@ def _picked(shard: Shard, length: int, samples: int, rank: int, world_size: int)
     documents = [int(np.searchsorted(ends, i, side="right")) for i in chosen]
     return [(i, k, i - (int(ends[k - 1]) if k else 0)) for i, k in zip(chosen, documents)], weights
 
-
 def window_documents(shard: Shard, length: int, samples: int, rank: int, world_size: int) -> list[int]:
     "The document of each of this rank's windows of a shard, in `shard_windows`' order (intervals over documents)."
     return [k for _, k, _ in _picked(shard, length, samples, rank, world_size)[0]]
-
 
 def shard_windows(shard: Shard, length: int, samples: int, rank: int, world_size: int):
     "This rank's windows of a shard as (tokens_BW padded with -1, scored_BT: the targets that count, weight_B)."
@@ -71,12 +66,14 @@ def shard_windows(shard: Shard, length: int, samples: int, rank: int, world_size
     return torch.from_numpy(tokens_BW), torch.from_numpy(scored_BT), torch.tensor(weights)
 
 
+# %% ../../nbs/07g_evaluation.ipynb #8f785408
 def token_bytes(tokenizer) -> torch.Tensor:
     "The UTF-8 bytes of text each token id stands for, as float64 (the denominator of bits per byte)."
     special = set(tokenizer.get_added_tokens_decoder())
     # byte-level BPE: one character of a token's string is one byte of text; special tokens are no text
     return torch.tensor([0 if i in special else len(tokenizer.id_to_token(i)) for i in range(tokenizer.get_vocab_size())],
                         dtype=torch.float64)
+
 
 # %% ../../nbs/07g_evaluation.ipynb #4c15932c
 class HeldOut:

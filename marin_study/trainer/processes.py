@@ -157,8 +157,7 @@ class RunLock:
             except FileNotFoundError: pass
             file.close()
         if stale := file.read().strip(): say(f"{self.path}: taking over from the trainer with {stale}, which has ended")
-        file.seek(0)
-        file.truncate()
+        file.seek(0), file.truncate()
         file.write(f"PID {os.getpid()} on {socket.gethostname()}, since {time.strftime('%Y-%m-%d %H:%M:%S')}\n")
         file.flush()
         self._release = weakref.finalize(self, _unlock, file, self.path, found, made)  # also at the interpreter's exit
